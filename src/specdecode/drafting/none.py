@@ -1,0 +1,18 @@
+"""No drafting: plain target-only decoding through the same loop, the baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafting.base import Draft
+from specdecode.verification.sampling import SamplingParams
+
+
+class NoDrafter:
+    name = "none"
+
+    def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        return Draft([], None)
+
+    def reset(self) -> None:
+        pass

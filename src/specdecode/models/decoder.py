@@ -1,0 +1,265 @@
+"""A Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2) with a preallocated, rollback-able KV cache.
+
+One forward takes T new tokens per sequence, writes their keys/values at cache slots
+`start .. start+T-1` and returns logits for all T. Rolling back is free: a sequence's length is
+just the `start` of its next forward, and stale slots beyond it are never visible (a query at
+position p sees cache slots j <= p, or the slots its tree mask allows).
+
+Bit-exact mode (`decode_width=W`): every forward of T <= W tokens is padded to exactly W rows,
+so a plain 1-token step and a (1 + gamma)-token verify step run the same kernels on the same
+shapes, and a token's logits do not depend on how many tokens share its forward. Attention
+walks the cache in fixed blocks of `ATTN_BLOCK` keys in a fixed order (online softmax), so a
+query's reductions do not depend on the cache length or on masked keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specdecode.models.config import ModelConfig
+from specdecode.models.linear import DenseLinear
+
+ATTN_BLOCK = 128  # keys per attention block; cache capacity is a multiple of it
+
+
+@dataclass
+class KVCache:
+    """Keys and values of `batch` sequences, preallocated to `capacity` slots.
+
+    k, v: [layers, batch, kv_heads, capacity, head_dim]. Lengths live with the caller (the
+    `start` of each forward), which makes rollback O(1).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # same arithmetic as transformers' LlamaRMSNorm: reduce in float32, scale in the model dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies with the checkpoint's theta and scaling (linear, llama3)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention with grouped-query heads, then pre-norm SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, qkv: DenseLinear, o: DenseLinear, gate_up: DenseLinear,
+                 down: DenseLinear, attn_norm: torch.Tensor, mlp_norm: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
+        self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slots: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, visible: list[torch.Tensor]) -> torch.Tensor:
+        # x: [B, T, D]; slots: [B, T] cache slots written; cos/sin: [B, 1, T, hd]
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.qkv(rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
+        q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
+        q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
+        k = k.view(B, T, KVH, hd).transpose(1, 2)  # [B, KVH, T, hd]
+        v = v.view(B, T, KVH, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rows = torch.arange(B).view(B, 1)
+        cache.k[layer].permute(0, 2, 1, 3)[rows, slots] = k.transpose(1, 2)
+        cache.v[layer].permute(0, 2, 1, 3)[rows, slots] = v.transpose(1, 2)
+        attn = blocked_attention(q, cache.k[layer], cache.v[layer], visible)  # [B, H, T, hd]
+        x = x + self.o(attn.transpose(1, 2).reshape(B, T, H * hd))
+        gate, up = self.gate_up(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      visible: list[torch.Tensor]) -> torch.Tensor:
+    """Attention over the cache in fixed blocks of ATTN_BLOCK keys, in order, with online softmax.
+
+    q: [B, H, T, hd]; k_cache, v_cache: [B, KVH, capacity, hd]; visible[b]: [B, 1, T, ATTN_BLOCK]
+    bool for cache block b. Every block has the same shape whatever the cache length, and a
+    fully masked block leaves a query's running sums bit-for-bit unchanged.
+    """
+    B, H, T, hd = q.shape
+    KVH = k_cache.shape[1]
+    G = H // KVH
+    qg = q.reshape(B, KVH, G * T, hd).float() * (1.0 / math.sqrt(hd))  # heads of a group share K/V
+    m = torch.full((B, KVH, G * T, 1), float("-inf"))
+    denom = torch.zeros(B, KVH, G * T, 1)
+    acc = torch.zeros(B, KVH, G * T, hd)
+    for b, vis in enumerate(visible):
+        kb = k_cache[:, :, b * ATTN_BLOCK:(b + 1) * ATTN_BLOCK].float()  # [B, KVH, N, hd]
+        vb = v_cache[:, :, b * ATTN_BLOCK:(b + 1) * ATTN_BLOCK].float()
+        s = (qg @ kb.transpose(-1, -2)).view(B, KVH, G, T, ATTN_BLOCK)
+        s = s.masked_fill(~vis.unsqueeze(2), float("-inf")).view(B, KVH, G * T, ATTN_BLOCK)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new)
+        denom = denom * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + p @ vb
+        m = m_new
+    return (acc / denom).view(B, H, T, hd).to(q.dtype)
+
+
+class Transformer(nn.Module):
+    """The decoder stack plus embeddings and lm_head. Build it with `Transformer.from_state_dict`."""
+
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, blocks: list[Block], norm: torch.Tensor,
+                 lm_head: DenseLinear, decode_width: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.Parameter(norm, requires_grad=False)
+        self.lm_head = lm_head
+        self.decode_width = decode_width
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", decode_width: int | None = None) -> "Transformer":
+        """Build from Hugging Face parameter names (GGUF loading maps to them too)."""
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return sd.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in sd else None
+
+        blocks = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            blocks.append(Block(cfg, DenseLinear(qkv_w, qkv_b), DenseLinear(take(p + "self_attn.o_proj.weight")),
+                                DenseLinear(gate_up), DenseLinear(take(p + "mlp.down_proj.weight")),
+                                take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight")))
+        embed = take("model.embed_tokens.weight")
+        head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in sd else take("lm_head.weight")
+        return cls(cfg, embed, blocks, take("model.norm.weight"), DenseLinear(head), decode_width)
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        """A zeroed cache for `batch` sequences of up to `max_len` tokens (default: the model's context)."""
+        max_len = max_len or self.config.max_position_embeddings
+        slack = self.decode_width or 0  # padding rows of the last step write past the end
+        capacity = -(-(max_len + slack) // ATTN_BLOCK) * ATTN_BLOCK
+        shape = (self.config.num_layers, batch, self.config.num_kv_heads, capacity, self.config.head_dim)
+        # zeros, not empty: masked keys are multiplied by 0 and must not be NaN
+        return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
+                tree_mask: torch.Tensor | None = None, num_logits: int | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run T new tokens per sequence and return their logits.
+
+        tokens: [B, T] ids; start: [B] cache length of each sequence before this step (its new
+        tokens go to slots start..start+T-1). tree_mask: optional [B, T, T] bool, which new tokens
+        each new token sees (default causal; a token tree passes its ancestor mask, and positions
+        are then start + depth). num_logits: only the last n rows get logits (prefill needs 1).
+        Returns logits [B, n, V] float32, and the final hidden states [B, n, D] if asked.
+        """
+        B, T = tokens.shape
+        W = self.decode_width
+        if W is not None and T < W:  # bit-exact: every short forward has exactly W rows
+            tokens = torch.cat([tokens, tokens.new_zeros(B, W - T)], dim=1)
+            if tree_mask is not None:
+                pad = torch.eye(W, dtype=torch.bool, device=tree_mask.device).expand(B, W, W).clone()
+                pad[:, :T, :T] = tree_mask
+                tree_mask = pad
+        Tp = tokens.shape[1]
+        start = start.to(torch.long).view(B, 1)
+        slots = start + torch.arange(Tp).view(1, Tp)  # [B, Tp]
+        if tree_mask is None:
+            positions = slots
+        else:
+            depth = tree_mask.sum(-1) - 1  # a token sees itself and its ancestors
+            positions = start + depth
+        if int(slots.max()) >= cache.capacity:
+            raise ValueError(f"sequence of {int(slots.max()) + 1} tokens exceeds the cache capacity {cache.capacity}")
+        visible = self._visibility(start, slots, positions, tree_mask, cache.capacity)
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, Tp, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # [B, 1, Tp, hd]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = self.embed[tokens]
+        for i, block in enumerate(self.blocks):
+            x = block(x, i, cache, slots, cos, sin, visible)
+        n = T if num_logits is None else min(num_logits, T)
+        if Tp == W:  # keep the fixed shape through lm_head, then drop padding rows
+            h = rms_norm(x, self.norm, self.config.rms_norm_eps)
+            logits = self.lm_head(h).float()[:, T - n:T]
+            h = h[:, T - n:T]
+        else:
+            h = rms_norm(x[:, T - n:], self.norm, self.config.rms_norm_eps)
+            logits = self.lm_head(h).float()
+        return (logits, h) if return_hidden else logits
+
+    @staticmethod
+    def _visibility(start: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    tree_mask: torch.Tensor | None, capacity: int) -> list[torch.Tensor]:
+        """Per cache block, which keys each new token sees: [B, 1, Tp, ATTN_BLOCK] bool."""
+        n_blocks = -(-(int(slots.max()) + 1) // ATTN_BLOCK)
+        keys = torch.arange(n_blocks * ATTN_BLOCK).view(1, 1, -1)
+        if tree_mask is None:
+            vis = keys <= slots.unsqueeze(-1)  # [B, Tp, K]: causal by slot
+        else:
+            vis = keys < start.unsqueeze(-1)  # the committed prefix
+            new = keys - start.unsqueeze(-1)  # [B, 1, K] index into the new tokens
+            in_new = (new >= 0) & (new < slots.shape[1])
+            tm = torch.gather(tree_mask, 2, new.clamp(0, slots.shape[1] - 1).expand(-1, slots.shape[1], -1))
+            vis = vis | (in_new & tm)
+        vis = vis.unsqueeze(1)
+        return [vis[..., b * ATTN_BLOCK:(b + 1) * ATTN_BLOCK] for b in range(n_blocks)]

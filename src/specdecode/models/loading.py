@@ -1,0 +1,75 @@
+"""One entry point to load a model by catalog name, Hugging Face folder or GGUF file."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.errors import ModelLoadError
+from specdecode.models.catalog import resolve
+from specdecode.models.decoder import Transformer
+from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer
+from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    source: Path
+    load_seconds: float
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelLoadError(f"dtype {dtype} is not supported; choose one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"device {device!r} is not supported; choose cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but this torch build sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {device!r} is not supported; choose cpu or cuda")
+    return dev
+
+
+def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               decode_width: int | None = None, pull_missing: bool = True,
+               with_tokenizer: bool = True) -> LoadedModel:
+    """Load weights and tokenizer. `decode_width` turns on bit-exact fixed-width forwards (see decoder)."""
+    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    t0 = time.perf_counter()
+    path = resolve(str(name_or_path), pull_missing=pull_missing)
+    if path.is_dir():
+        cfg, state = load_hf_folder(path)
+        tokenizer = load_hf_tokenizer(path) if with_tokenizer else None
+    elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+        cfg, state = load_gguf(path, dtype=torch_dtype)
+        tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
+    else:
+        raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
+    try:
+        model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: {e.args[0]}") from e
+    return LoadedModel(model.eval(), tokenizer, path, time.perf_counter() - t0)
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

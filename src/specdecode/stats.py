@@ -1,0 +1,75 @@
+"""Per-request statistics, counted in one place (the engine) and derived here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forward_passes: int = 0  # decode steps; prefill is counted apart
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.target_forward_passes += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        grow = drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target forward pass (accepted + 1 per step), as Spec-Bench and vLLM count it."""
+        return self.new_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """End to end, prefill included."""
+        return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decode = self.total_seconds - self.prefill_seconds
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "target_forward_passes": self.target_forward_passes,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "drafted_by_position": self.drafted_by_position,
+            "accepted_by_position": self.accepted_by_position,
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "total_seconds": round(self.total_seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+        }

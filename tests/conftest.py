@@ -1,0 +1,76 @@
+"""Tiny random models built with transformers and saved to disk, shared by the tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+from specdecode.models.loading import LoadedModel, load_model
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_hf_model(arch: str = "qwen2", *, seed: int = 0, vocab: int = 64, hidden: int = 64, layers: int = 2,
+                  heads: int = 4, kv_heads: int = 2, sharpen: float = 4.0, **extra):
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                     eos_token_id=None, bos_token_id=None, **extra)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # random init is nearly uniform; sharpen it so greedy paths are non-trivial
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(sharpen)
+    return model
+
+
+def tiny_tokenizer(shuffle_seed: int | None = None) -> Qwen2Tokenizer:
+    """A byte-level BPE tokenizer of 64 single-character tokens (space, letters, digits, '.')."""
+    chars = ["\u0120"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + \
+        [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [str(d) for d in range(10)] + ["."]
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(chars)
+    return Qwen2Tokenizer(vocab={c: i for i, c in enumerate(chars)}, merges=[])
+
+
+def save_tiny(path: Path, model, tokenizer=None) -> Path:
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of `model` with noise on every weight: a draft that agrees with the target often, not always."""
+    import copy
+
+    torch.manual_seed(seed)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return other
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[LoadedModel, LoadedModel]:
+    """A tiny target (bit-exact width 9) and a draft that is a noisy copy of it, with a shared tokenizer."""
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_hf_model("qwen2", seed=0, vocab=64, layers=2)
+    draft = perturbed(target, 0.3, seed=1)
+    tok = tiny_tokenizer()
+    save_tiny(root / "target", target, tok)
+    save_tiny(root / "draft", draft, tok)
+    return (load_model(root / "target", decode_width=9), load_model(root / "draft"))
+
+
+def corrupt_json(path: Path, key: str, value) -> None:
+    cfg = json.loads(path.read_text())
+    cfg[key] = value
+    path.write_text(json.dumps(cfg))

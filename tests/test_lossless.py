@@ -1,0 +1,251 @@
+"""Proofs of losslessness: greedy identity, exact sampling distribution, rollback, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdecode.builder import make_drafter
+from specdecode.drafting.model import ModelDrafter
+from specdecode.drafting.ngram import NgramDrafter
+from specdecode.drafting.none import NoDrafter
+from specdecode.engine import GammaSchedule, SpeculativeGenerator
+from specdecode.errors import InvalidRequestError, ModelLoadError
+from specdecode.models.loading import load_model
+from specdecode.verification.rejection import verify_sampling
+from specdecode.verification.sampling import SamplingParams, processed_probs
+from tests.conftest import perturbed, save_tiny, tiny_hf_model, tiny_tokenizer
+
+N_PROMPTS = 50
+NEW_TOKENS = 24
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        base = [rnd.randrange(vocab) for _ in range(rnd.randint(1, 12))]
+        prompts.append((base * rnd.randint(1, 3))[:40])  # repetitions give the n-gram drafter matches
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_pair):
+    target, _ = tiny_pair
+    gen = SpeculativeGenerator(target.model, NoDrafter(), target.tokenizer)
+    return [gen.generate(p, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids
+            for p in random_prompts(N_PROMPTS, 64)]
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+@pytest.mark.parametrize("gamma,adaptive", [(1, False), (2, False), (3, False), (5, False), (8, False), (3, True)])
+def test_greedy_speculative_equals_plain_greedy(tiny_pair, plain_outputs, drafter_kind, gamma, adaptive):
+    target, draft = tiny_pair
+    drafter = make_drafter(drafter_kind, target, draft, adaptive=adaptive)
+    gen = SpeculativeGenerator(target.model, drafter, target.tokenizer, GammaSchedule(gamma, adaptive))
+    accepted = 0
+    for prompt, expected in zip(random_prompts(N_PROMPTS, 64), plain_outputs):
+        result = gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[])
+        assert result.token_ids == expected, f"prompt {prompt}"
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0  # the drafts were really used, not all rejected
+
+
+# ---- exact distribution of the first two tokens, by enumeration, against 120k speculative samples ----
+
+V = 12
+PROMPT = [3, 7, 1, 7]
+N_SAMPLES = 120_000
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    shape = dict(vocab=V, hidden=32, heads=2, kv_heads=1, layers=1, sharpen=12.0)
+    target_hf = tiny_hf_model("llama", seed=5, **shape)
+    near = perturbed(target_hf, 0.5, seed=6)
+    far = tiny_hf_model("llama", seed=7, **shape)
+    load = lambda name, m: load_model(save_tiny(root / name, m), with_tokenizer=False).model  # noqa: E731
+    return {"target": load("t", target_hf), "near": load("near", near), "far": load("far", far)}
+
+
+def logit_tables(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits after PROMPT, PROMPT+a and PROMPT+a+b for every a, b: [V], [V, V], [V, V, V]."""
+    rows = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])  # [V*V, len+2]
+    cache = model.new_cache(V * V, 16)
+    logits = model(rows, torch.zeros(V * V, dtype=torch.long), cache)[:, -3:]  # [V*V, 3, V]
+    logits = logits.view(V, V, 3, V)
+    return logits[0, 0, 0], logits[:, 0, 1], logits[:, :, 2]
+
+
+def speculative_first_two(target, draft, params: SamplingParams, *, seed: int, point_mass: bool = False) -> np.ndarray:
+    """Counts of (t1, t2) over N_SAMPLES runs of one gamma = 2 speculative step (batched)."""
+    g = torch.Generator().manual_seed(seed)
+    P1, P2, P3 = logit_tables(target)
+    Q1, Q2, _ = logit_tables(draft)
+    N = N_SAMPLES
+    if point_mass:  # a deterministic drafter: always propose the draft model's argmax
+        d1 = torch.full((N,), int(Q1.argmax()))
+        d2 = Q2.argmax(-1)[d1]
+        q = None
+    else:
+        q1, q2 = processed_probs(Q1, params), processed_probs(Q2, params)
+        d1 = torch.multinomial(q1, N, replacement=True, generator=g)
+        d2 = torch.multinomial(q2[d1], 1, generator=g).squeeze(1)
+        q = torch.stack([q1.expand(N, V), q2[d1]], dim=1)  # [N, 2, V]
+    logits = torch.stack([P1.expand(N, V), P2[d1], P3[d1, d2]], dim=1)  # [N, 3, V]
+    n, nxt = verify_sampling(logits, torch.stack([d1, d2], 1), q, params, g)
+    t1 = torch.where(n == 0, nxt, d1)
+    second_from_target = torch.multinomial(processed_probs(P2, params)[t1], 1, generator=g).squeeze(1)
+    t2 = torch.where(n == 0, second_from_target, torch.where(n == 1, nxt, d2))
+    return torch.bincount(t1 * V + t2, minlength=V * V).numpy()
+
+
+def exact_first_two(target, params: SamplingParams) -> np.ndarray:
+    P1, P2, _ = logit_tables(target)
+    p1, p2 = processed_probs(P1, params), processed_probs(P2, params)
+    return (p1.unsqueeze(1) * p2).flatten().double().numpy()
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square; zero-probability cells must stay empty, small cells are pooled."""
+    assert counts[probs == 0].sum() == 0, "a token with probability 0 was produced"
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+SETTINGS = {
+    "temperature 1": (SamplingParams(1.0), "near"),
+    "temperature 0.7": (SamplingParams(0.7), "near"),
+    "top-k 3": (SamplingParams(1.0, top_k=3), "near"),
+    "top-p 0.8": (SamplingParams(1.0, top_p=0.8), "near"),
+    "far draft": (SamplingParams(1.0), "far"),
+    "far draft, top-k 5, temperature 0.5": (SamplingParams(0.5, top_k=5), "far"),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_speculative_sampling_matches_target_distribution(small_vocab, setting):
+    params, draft = SETTINGS[setting]
+    counts = speculative_first_two(small_vocab["target"], small_vocab[draft], params, seed=11)
+    assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) > 1e-3
+
+
+def test_point_mass_drafter_matches_target_distribution(small_vocab):
+    params = SamplingParams(0.8, top_p=0.9)
+    counts = speculative_first_two(small_vocab["target"], small_vocab["near"], params, seed=12, point_mass=True)
+    assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) > 1e-3
+
+
+@pytest.mark.parametrize("bug", ["correction sampled from p, not the residual", "q from another temperature"])
+def test_the_distribution_test_catches_a_planted_bug(small_vocab, bug):
+    params = SamplingParams(1.0)
+    g = torch.Generator().manual_seed(14)
+    P1, P2, P3 = logit_tables(small_vocab["target"])
+    Q1, Q2, _ = logit_tables(small_vocab["far"])
+    q_params = SamplingParams(2.0) if bug == "q from another temperature" else params
+    q1, q2 = processed_probs(Q1, params), processed_probs(Q2, params)
+    d1 = torch.multinomial(q1, N_SAMPLES, replacement=True, generator=g)
+    d2 = torch.multinomial(q2[d1], 1, generator=g).squeeze(1)
+    claimed_q = torch.stack([processed_probs(Q1, q_params).expand(N_SAMPLES, V), processed_probs(Q2, q_params)[d1]], 1)
+    logits = torch.stack([P1.expand(N_SAMPLES, V), P2[d1], P3[d1, d2]], dim=1)
+    n, nxt = verify_sampling(logits, torch.stack([d1, d2], 1), claimed_q, params, g)
+    if bug == "correction sampled from p, not the residual":
+        p_at_n = processed_probs(logits, params)[torch.arange(N_SAMPLES), n]
+        nxt = torch.where(n < 2, torch.multinomial(p_at_n, 1, generator=g).squeeze(1), nxt)
+    t1 = torch.where(n == 0, nxt, d1)
+    t2 = torch.where(n == 0, torch.multinomial(processed_probs(P2, params)[t1], 1, generator=g).squeeze(1),
+                     torch.where(n == 1, nxt, d2))
+    counts = torch.bincount(t1 * V + t2, minlength=V * V).numpy()
+    assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) < 1e-3
+
+
+def test_engine_sampling_first_token_distribution_and_seeds(small_vocab):
+    """End to end through the engine (model drafter, gamma 3): first-token frequencies match p."""
+    target, near = small_vocab["target"], small_vocab["near"]
+    params = SamplingParams(1.0, top_k=6)
+    gen = SpeculativeGenerator(target, ModelDrafter(near, V, 64), None, GammaSchedule(3), max_context=64)
+    first = [gen.generate(PROMPT, max_new_tokens=2, temperature=1.0, top_k=6, seed=s, eos_ids=[]).token_ids[0]
+             for s in range(600)]
+    p1 = processed_probs(logit_tables(target)[0], params).double().numpy()
+    assert chi_square_p(np.bincount(first, minlength=V), p1) > 1e-3
+    a = gen.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
+    b = gen.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
+    assert a.token_ids == b.token_ids  # a seed reproduces a run
+
+
+# ---- rollback and bad input ----
+
+def test_caches_after_rejections_equal_a_fresh_forward(tiny_pair):
+    target, draft = tiny_pair
+    drafter = ModelDrafter(draft.model, 64, 256)
+    gen = SpeculativeGenerator(target.model, drafter, None, GammaSchedule(5), max_context=256)
+    result = gen.generate([5, 9, 13, 5, 9], max_new_tokens=60, eos_ids=[])
+    assert result.stats.accepted_tokens < result.stats.drafted_tokens  # there were rejections
+    ids = [5, 9, 13, 5, 9] + result.token_ids
+    for model, cache, n in [(target.model, gen.cache, len(ids) - 1),
+                            (draft.model, drafter.cache, len(drafter.cached))]:
+        fresh = model.new_cache(1, 256)
+        model(torch.tensor([ids[:n]]), torch.tensor([0]), fresh, num_logits=0)
+        torch.testing.assert_close(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-5, rtol=0)
+    assert drafter.cached == ids[:len(drafter.cached)]
+
+
+def test_bad_requests_get_clear_errors(tiny_pair):
+    target, _ = tiny_pair
+    gen = SpeculativeGenerator(target.model, NgramDrafter(), target.tokenizer, max_context=64)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        gen.generate("")
+    with pytest.raises(InvalidRequestError, match="empty"):
+        gen.generate([])
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        gen.generate([1, 2], top_p=0.0)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        gen.generate([1, 2], top_p=1.5)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        gen.generate([1, 2], temperature=-1)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        gen.generate([1, 2], max_new_tokens=0)
+    with pytest.raises(InvalidRequestError, match="the context holds 64"):
+        gen.generate(list(range(64)))
+    with pytest.raises(InvalidRequestError, match=r"\[0, 64\)"):
+        gen.generate([1, 64])
+    for bad in (0, -2):
+        with pytest.raises(InvalidRequestError, match="gamma"):
+            GammaSchedule(bad)
+
+
+def test_mismatched_tokenizers_are_refused(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    other = load_model(save_tiny(tmp_path / "other", tiny_hf_model("qwen2", seed=9), tiny_tokenizer(shuffle_seed=1)))
+    with pytest.raises(ModelLoadError, match="same tokenizer"):
+        make_drafter("model", target, other)
+
+
+def test_stop_strings_and_streaming_text(tiny_pair):
+    target, _ = tiny_pair
+    gen = SpeculativeGenerator(target.model, NgramDrafter(), target.tokenizer)
+    full = gen.generate("Hello world. ", max_new_tokens=12, eos_ids=[])
+    stream = gen.stream("Hello world. ", max_new_tokens=12, eos_ids=[])
+    assert "".join(e.text for e in stream) == full.text == stream.result.text
+    assert len(full.text) >= 8
+    stop = full.text[5:7]
+    cut = gen.generate("Hello world. ", max_new_tokens=12, eos_ids=[], stop=[stop])
+    assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)
+
+
+def test_small_vocab_distributions_are_not_flat(small_vocab):
+    """The statistical tests only have power if p is far from uniform and the far draft disagrees."""
+    P1, P2, _ = logit_tables(small_vocab["target"])
+    Q1, _, _ = logit_tables(small_vocab["far"])
+    p1, q1 = torch.softmax(P1, -1), torch.softmax(Q1, -1)
+    assert p1.max() > 0.3 and (p1 - q1).abs().sum() > 0.5
