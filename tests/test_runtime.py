@@ -54,7 +54,7 @@ def test_rollback_equals_fresh_run(saved):
     torch.testing.assert_close(cache.k[:, :, :, :170], fresh_cache.k[:, :, :, :170], atol=1e-5, rtol=0)
 
 
-def _invariance_mismatches(model, total: int = 300, seed: int = 0) -> int:
+def _invariance_mismatches(model, total: int = 2 * ATTN_BLOCK + 40, seed: int = 0) -> int:
     """Rows whose logits differ between 1-token steps and random-width steps over the same tokens."""
     rnd = random.Random(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, total), generator=torch.Generator().manual_seed(seed))
@@ -75,7 +75,6 @@ def _invariance_mismatches(model, total: int = 300, seed: int = 0) -> int:
 def test_bit_exact_width_makes_logits_independent_of_step_width(saved, dtype):
     _, path = saved
     model = load_model(path, dtype=dtype, decode_width=9, with_tokenizer=False).model
-    assert 300 > 2 * ATTN_BLOCK  # cache lengths cross block boundaries
     assert _invariance_mismatches(model) == 0
 
 

@@ -66,7 +66,7 @@ def _hf(model: str, dtype: str, context: int, ks: list[int], repeats: int) -> di
 
         def step(k: int) -> None:
             hf(ids[:, context:context + k], past_key_values=cache, use_cache=True)
-            cache.crop(context)
+            cache.crop(-k)  # back to the context
 
         ms = {k: _median_ms(lambda k=k: step(k), repeats) for k in ks}
     return {"load_s": load_s, "ms": ms}
@@ -85,9 +85,10 @@ def measure(engine: str, model: str, dtype: str, context: int, ks: list[int], re
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(q, engine, model, dtype, context, ks, repeats, width))
     p.start()
-    result = q.get()
     p.join()
-    return result
+    if p.exitcode != 0 or q.empty():
+        raise RuntimeError(f"{engine} measurement of {model} ({dtype}) failed (exit code {p.exitcode})")
+    return q.get()
 
 
 def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 500, ks: list[int] | None = None,

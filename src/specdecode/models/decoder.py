@@ -23,7 +23,7 @@ from torch import nn
 from specdecode.models.config import ModelConfig
 from specdecode.models.linear import DenseLinear
 
-ATTN_BLOCK = 128  # keys per attention block; cache capacity is a multiple of it
+ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 
 
 @dataclass

@@ -13,7 +13,8 @@ class DenseLinear(nn.Module):
     """y = x W^T + b, computed as (W @ x^T)^T.
 
     On the CPUs we measured (see shared/CPU.md), `W @ x.T` keeps the cost of k <= 8 rows close to
-    that of one row, while `F.linear` grows with k. For a fixed number of rows, each row's result
+    that of one row, while `F.linear` grows with k; for a single row `torch.mv` reads bf16 weights
+    at 1.5x the speed of either (Xeon with AMX, torch 2.13). For a fixed number of rows, each row's result
     does not depend on the other rows, which bit-exact decoding relies on.
     """
 
@@ -28,7 +29,9 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = (self.weight @ x.reshape(-1, shape[-1]).T).T  # [rows, out]
+        rows = x.reshape(-1, shape[-1])
+        # one row (draft steps; never in bit-exact mode, which pads): matrix-vector is 1.5x faster in bf16
+        y = torch.mv(self.weight, rows[0]).unsqueeze(0) if rows.shape[0] == 1 else (self.weight @ rows.T).T
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
