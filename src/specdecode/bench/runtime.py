@@ -49,13 +49,14 @@ def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, wid
 
 
 def _hf(model: str, dtype: str, context: int, ks: list[int], repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM, DynamicCache, GgufConfig
 
     from specdecode.models.catalog import resolve
 
     path = resolve(model)
     t = time.perf_counter()
-    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    # dequantized, as we do: transformers' packed GGUF kernels would be a different comparison
+    kwargs = {"gguf_file": path.name, "quantization_config": GgufConfig(dequantize=True)} if path.is_file() else {}
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent if path.is_file() else path),
                                               dtype=getattr(torch, dtype), **kwargs).eval()
     load_s = time.perf_counter() - t
