@@ -111,3 +111,16 @@ def test_bad_dtype_and_device(saved):
         load_model(path, dtype="float16", with_tokenizer=False)
     with pytest.raises(ModelLoadError, match="device"):
         load_model(path, device="tpu", with_tokenizer=False)
+
+
+def test_a_chain_tree_mask_equals_the_causal_default(saved):
+    """Token trees will pass their ancestor mask; a chain (lower-triangular) must equal plain causal."""
+    _, path = saved
+    model = load_model(path, decode_width=9, with_tokenizer=False).model
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    c1, c2 = model.new_cache(1, 64), model.new_cache(1, 64)
+    for c in (c1, c2):
+        model(ids[:, :34], torch.tensor([0]), c)
+    plain = model(ids[:, 34:40], torch.tensor([34]), c1)
+    chain = torch.ones(6, 6, dtype=torch.bool).tril().unsqueeze(0)
+    assert torch.equal(model(ids[:, 34:40], torch.tensor([34]), c2, tree_mask=chain), plain)
