@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from specdecode.bench.spec_bench import load_questions
+from specdecode.bench.spec_bench import DEFAULT_QUESTIONS, load_questions
 from specdecode.builder import build_generator, load_target
 from specdecode.models.catalog import resolve
 from specdecode.models.loading import load_model
 
 pytestmark = pytest.mark.slow
-QUESTIONS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def spec_bench_prompts(n: int) -> list[str]:
-    qs = load_questions(QUESTIONS, per_category=2)
+    qs = load_questions(DEFAULT_QUESTIONS, per_category=2)
     return [q.prompt for q in qs][:n]
 
 

@@ -27,11 +27,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specdecode.builder import build_generator
+    from specdecode.builder import build_generator, load_target
+    from specdecode.verification.sampling import SamplingParams
 
-    gamma = 4 if args.adaptive else args.gamma
-    gen = build_generator(args.target, draft=args.draft, drafter=args.drafter, gamma=gamma, adaptive=args.adaptive,
-                          dtype=args.dtype, device=args.device, bit_exact=args.bit_exact)
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # bad values fail before the slow load
+    target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact)
+    gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, adaptive=args.adaptive,
+                          dtype=args.dtype, device=args.device)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
     stream = gen.stream(args.prompt, **request)
@@ -47,7 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
     assert result is not None
     out = result.to_dict()
     if args.compare_plain:
-        plain = build_generator(gen_target(gen, args), drafter="none")
+        plain = build_generator(target, drafter="none")
         base = plain.generate(args.prompt, **request)
         out["plain"] = {"tokens_per_second": round(base.stats.tokens_per_second, 3),
                         "identical_tokens": base.token_ids == result.token_ids,
@@ -65,13 +67,6 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"[plain decoding: {p['tokens_per_second']:.2f} tok/s; speedup {p['speedup']:.2f}x; "
                   f"identical tokens: {p['identical_tokens']}]", file=sys.stderr)
     return 0
-
-
-def gen_target(gen, args: argparse.Namespace):
-    """Reuse the already loaded target for the plain comparison run."""
-    from specdecode.models.loading import LoadedModel
-
-    return LoadedModel(gen.target, gen.tokenizer, args.target, 0.0)
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -74,7 +74,6 @@ def _hf(model: str, dtype: str, context: int, ks: list[int], repeats: int) -> di
 
 
 def _child(queue, engine: str, *args) -> None:
-    torch.set_num_threads(torch.get_num_threads())
     result = _hf(*args[:-1]) if engine == "transformers" else _ours(*args)
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     queue.put(result)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +56,12 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 def run(questions: list[Question], gens: dict[str, SpeculativeGenerator], *, max_new_tokens: int = 128,
         out: Path | None = None, progress: bool = True) -> list[dict]:
-    """Run every method on every question, methods interleaved per prompt; one warm-up run first."""
+    """Run every method on every question, methods interleaved per prompt; one warm-up run first.
+
+    Each row's `mismatch_at` is its first token differing from the first method's (put `plain` first).
+    """
     from rich.progress import Progress
 
-    first = next(iter(gens.values()))
     for g in gens.values():  # warm-up, not counted
         g.generate(questions[0].prompt, chat=True, max_new_tokens=8)
     rows = []
@@ -88,8 +89,14 @@ def run(questions: list[Question], gens: dict[str, SpeculativeGenerator], *, max
                 with open(out / "results.jsonl", "a") as f:
                     for row in rows[-len(gens):]:
                         f.write(json.dumps(row) + "\n")
-    del first
     return rows
+
+
+def _totals(rs: list[dict], base: list[dict]) -> dict:
+    t = sum(r["seconds"] for r in rs)
+    return {"speedup": sum(r["seconds"] for r in base) / t,
+            "tokens_per_second": sum(r["new_tokens"] for r in rs) / t,
+            "mean_accepted_tokens": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forward_passes"] for r in rs))}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -101,22 +108,15 @@ def summarize(rows: list[dict]) -> dict:
     base = by["plain"]
     summary = {}
     for method, cats in by.items():
-        entry = {}
-        for cat, rs in cats.items():
-            t = sum(r["seconds"] for r in rs)
-            entry[cat] = {"speedup": sum(r["seconds"] for r in base[cat]) / t,
-                          "tokens_per_second": sum(r["new_tokens"] for r in rs) / t,
-                          "mean_accepted_tokens": sum(r["new_tokens"] for r in rs)
-                          / max(1, sum(r["target_forward_passes"] for r in rs))}
         allr = [r for rs in cats.values() for r in rs]
-        t = sum(r["seconds"] for r in allr)
+        overall = _totals(allr, [r for rs in base.values() for r in rs])
         summary[method] = {
-            "categories": entry,
-            "overall_speedup": sum(r["seconds"] for rs in base.values() for r in rs) / t,
-            "tokens_per_second": sum(r["new_tokens"] for r in allr) / t,
-            "mean_accepted_tokens": sum(r["new_tokens"] for r in allr) / max(1, sum(r["target_forward_passes"] for r in allr)),
+            "categories": {cat: _totals(rs, base[cat]) for cat, rs in cats.items()},
+            "overall_speedup": overall["speedup"],
+            "tokens_per_second": overall["tokens_per_second"],
+            "mean_accepted_tokens": overall["mean_accepted_tokens"],
             "acceptance_rate": statistics.mean(r["acceptance_rate"] for r in allr),
-            "draft_time_share": sum(r["draft_seconds"] for r in allr) / t,
+            "draft_time_share": sum(r["draft_seconds"] for r in allr) / sum(r["seconds"] for r in allr),
             "mismatches": [(r["question_id"], r["mismatch_at"]) for r in allr if r["mismatch_at"] is not None],
         }
     return summary
