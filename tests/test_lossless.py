@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.builder import make_drafter
+from specdecode.drafting.hybrid import HybridDrafter
 from specdecode.drafting.model import ModelDrafter
 from specdecode.drafting.ngram import NgramDrafter
 from specdecode.drafting.none import NoDrafter
@@ -41,11 +42,11 @@ def plain_outputs(tiny_pair):
             for p in random_prompts(N_PROMPTS, 64)]
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "hybrid"])
 @pytest.mark.parametrize("gamma,adaptive", [(1, False), (2, False), (3, False), (5, False), (8, False), (3, True)])
 def test_greedy_speculative_equals_plain_greedy(tiny_pair, plain_outputs, drafter_kind, gamma, adaptive):
     target, draft = tiny_pair
-    drafter = make_drafter(drafter_kind, target, draft, adaptive=adaptive)
+    drafter = make_drafter(drafter_kind, target, draft, gamma=min(gamma, 3), adaptive=adaptive)
     gen = SpeculativeGenerator(target.model, drafter, target.tokenizer, GammaSchedule(gamma, adaptive))
     accepted = 0
     for prompt, expected in zip(random_prompts(N_PROMPTS, 64), plain_outputs):
@@ -73,9 +74,9 @@ def small_vocab(tmp_path_factory):
     return {"target": load("t", target_hf), "near": load("near", near), "far": load("far", far)}
 
 
-def logit_tables(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits after PROMPT, PROMPT+a and PROMPT+a+b for every a, b: [V], [V, V], [V, V, V]."""
-    rows = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])  # [V*V, len+2]
+def logit_tables(model, prompt: list[int] = PROMPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits after prompt, prompt+a and prompt+a+b for every a, b: [V], [V, V], [V, V, V]."""
+    rows = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # [V*V, len+2]
     cache = model.new_cache(V * V, 16)
     logits = model(rows, torch.zeros(V * V, dtype=torch.long), cache)[:, -3:]  # [V*V, 3, V]
     logits = logits.view(V, V, 3, V)
@@ -168,17 +169,22 @@ def test_the_distribution_test_catches_a_planted_bug(small_vocab, bug):
     assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) < 1e-3
 
 
-def test_engine_sampling_first_token_distribution_and_seeds(small_vocab):
-    """End to end through the engine (model drafter, gamma 3): first-token frequencies match p."""
+@pytest.mark.parametrize("kind", ["model", "hybrid"])
+def test_engine_sampling_first_token_distribution_and_seeds(small_vocab, kind):
+    """End to end through the engine (gamma 3): first-token frequencies match p. The hybrid's prompt repeats
+    itself, so its first draft is a copied point mass and later ones come from the draft model."""
     target, near = small_vocab["target"], small_vocab["near"]
     params = SamplingParams(1.0, top_k=6)
-    gen = SpeculativeGenerator(target, ModelDrafter(near, V, 64), None, GammaSchedule(3), max_context=64)
-    first = [gen.generate(PROMPT, max_new_tokens=2, temperature=1.0, top_k=6, seed=s, eos_ids=[]).token_ids[0]
+    model = ModelDrafter(near, V, 64)
+    drafter = model if kind == "model" else HybridDrafter(model, model_gamma=3)
+    prompt = PROMPT if kind == "model" else [1, 7, 3, 1, 7]
+    gen = SpeculativeGenerator(target, drafter, None, GammaSchedule(3), max_context=64)
+    first = [gen.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=6, seed=s, eos_ids=[]).token_ids[0]
              for s in range(600)]
-    p1 = processed_probs(logit_tables(target)[0], params).double().numpy()
+    p1 = processed_probs(logit_tables(target, prompt)[0], params).double().numpy()
     assert chi_square_p(np.bincount(first, minlength=V), p1) > 1e-3
-    a = gen.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
-    b = gen.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
+    a = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
+    b = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
     assert a.token_ids == b.token_ids  # a seed reproduces a run
 
 

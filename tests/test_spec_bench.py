@@ -1,13 +1,22 @@
-"""The Spec-Bench runner's mechanics on tiny models: subset, interleaving, mismatch detection, arithmetic."""
+"""The Spec-Bench runner's mechanics on tiny models: subset, interleaving, mismatch detection, arithmetic,
+the files a run writes, and the transformers peers on the same weights."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
-from specdecode.bench.spec_bench import first_mismatch, load_questions, run, summarize
+from specdecode.bench.methods import EngineMethod, MethodSpec, RunOutput, parse_methods
+from specdecode.bench.spec_bench import (DEFAULT_QUESTIONS, benchmark, first_mismatch, load_questions,
+                                         markdown_table, own_baseline, run, summarize)
 from specdecode.builder import build_generator
+from specdecode.errors import InvalidRequestError
+
+from .conftest import perturbed, save_tiny, tiny_hf_model, tiny_tokenizer
+
+CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture
@@ -19,10 +28,29 @@ def questions_file(tmp_path):
     return path
 
 
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("benchpair")
+    target = tiny_hf_model("qwen2", seed=0, vocab=64, layers=2)
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    return (str(save_tiny(root / "target", target, tok)),
+            str(save_tiny(root / "draft", perturbed(target, 0.3, seed=1), tok)))
+
+
 def test_subset_is_deterministic_first_turn_only(questions_file):
     qs = load_questions(questions_file, categories=["qa", "math"], per_category=2)
     assert [(q.question_id, q.category) for q in qs] == [(0, "qa"), (1, "qa"), (2, "math"), (4, "math")]
     assert qs[0].prompt == "Say qa 0."
+    with pytest.raises(InvalidRequestError, match="unknown categories"):
+        load_questions(questions_file, categories=["poetry"])
+
+
+def test_the_shipped_spec_bench_copy():
+    qs = load_questions(DEFAULT_QUESTIONS)
+    assert len(qs) == 480 and len({q.category for q in qs}) == 13
+    assert (DEFAULT_QUESTIONS.parent / "LICENSE").exists()
+    assert len(load_questions(DEFAULT_QUESTIONS, per_category=2)) == 26
 
 
 def test_first_mismatch():
@@ -31,31 +59,118 @@ def test_first_mismatch():
     assert first_mismatch([1, 2], [1, 2, 3]) == 2
 
 
-def test_methods_interleave_agree_and_summary_arithmetic(tiny_pair, questions_file):
+def test_method_names_and_baselines():
+    specs = parse_methods(["ngram", "hf-plain:float32", "model"], "bfloat16")
+    assert specs[0] == MethodSpec("plain", "bfloat16")  # the reference is always there, first
+    assert [s.name("bfloat16") for s in specs] == ["plain", "ngram", "hf-plain:float32", "model"]
+    assert own_baseline("model") == "plain" and own_baseline("ngram:float32") == "plain:float32"
+    assert own_baseline("hf-assisted") == "hf-plain" and own_baseline("llama-cpp-prompt-lookup") == "llama-cpp"
+    with pytest.raises(InvalidRequestError, match="unknown method"):
+        parse_methods(["medusa"], "float32")
+    with pytest.raises(InvalidRequestError, match="unknown dtype"):
+        parse_methods(["plain:float16"], "float32")
+    with pytest.raises(InvalidRequestError, match="twice"):
+        parse_methods(["ngram", "ngram"], "float32")
+
+
+def _methods(tiny_pair):
     target, draft = tiny_pair
-    target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    gens = {"plain": build_generator(target, drafter="none"), "ngram": build_generator(target, drafter="ngram"),
-            "model": build_generator(target, draft=draft, drafter="model")}
+    target.tokenizer.chat_template = CHAT
+    return [EngineMethod("plain", build_generator(target, drafter="none")),
+            EngineMethod("ngram", build_generator(target, drafter="ngram")),
+            EngineMethod("model", build_generator(target, draft=draft, drafter="model"))]
+
+
+def test_methods_interleave_agree_and_summary_arithmetic(tiny_pair, questions_file):
+    methods = _methods(tiny_pair)
     qs = load_questions(questions_file, per_category=1)
-    rows = run(qs, gens, max_new_tokens=10, progress=False)
-    assert [r["method"] for r in rows] == ["plain", "ngram", "model"] * len(qs)  # A B C, A B C
-    assert all(r["mismatch_at"] is None for r in rows)  # greedy: every method equals plain
-    s = summarize(rows)
-    for m in gens:
+    encode = lambda p: methods[0].generator.encode(p, chat=True)  # noqa: E731
+    rows = run(qs, methods, encode, [], max_new_tokens=10, repeats=2, progress=False)
+    assert [r["method"] for r in rows] == ["plain", "ngram", "model"] * len(qs) * 2  # A B C, A B C
+    assert all(r["mismatch_at"] is None and r["differs_from_plain_at"] is None for r in rows)
+    s = summarize(rows)["methods"]
+    for m in ("plain", "ngram", "model"):
         mine = [r for r in rows if r["method"] == m]
         plain_t = sum(r["seconds"] for r in rows if r["method"] == "plain")
-        assert s[m]["overall_speedup"] == pytest.approx(plain_t / sum(r["seconds"] for r in mine))
+        # identical outputs: the tokens/s ratio is the time ratio on the same prompts
+        assert s[m]["speedup_vs_plain"] == pytest.approx(plain_t / sum(r["seconds"] for r in mine))
         assert s[m]["mean_accepted_tokens"] == pytest.approx(
             sum(r["new_tokens"] for r in mine) / sum(r["target_forward_passes"] for r in mine))
-    assert s["plain"]["overall_speedup"] == pytest.approx(1.0)
+    assert s["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
+    assert s["model"]["acceptance_by_position"] and all(0 <= a <= 1 for a in s["model"]["acceptance_by_position"])
 
 
-def test_mismatch_is_reported(tiny_pair, questions_file):
-    rows = [{"question_id": 1, "category": "qa", "method": "plain", "new_tokens": 3, "seconds": 1.0,
-             "target_forward_passes": 3, "acceptance_rate": 0.0, "draft_seconds": 0.0, "mismatch_at": None},
-            {"question_id": 1, "category": "qa", "method": "ngram", "new_tokens": 3, "seconds": 0.5,
-             "target_forward_passes": 2, "acceptance_rate": 0.5, "draft_seconds": 0.1, "mismatch_at": 2}]
+@dataclass
+class Corrupting:
+    """A method that returns a wrong token at one position: the runner must report it."""
+
+    name: str
+    inner: EngineMethod
+    at: int
+
+    def run(self, *args) -> RunOutput:
+        r = self.inner.run(*args)
+        r.token_ids[self.at] = (r.token_ids[self.at] + 1) % 64
+        return r
+
+
+def test_a_wrong_token_is_reported_with_its_position(tiny_pair, questions_file):
+    plain, ngram, _ = _methods(tiny_pair)
+    qs = load_questions(questions_file, per_category=1)
+    rows = run(qs, [plain, Corrupting("ngram", ngram, 3)], lambda p: plain.generator.encode(p, chat=True), [],
+               max_new_tokens=8, progress=False)
+    summary = summarize(rows)
+    assert summary["methods"]["ngram"]["mismatches"] == [[q.question_id, 3] for q in qs]
+    assert "3 of 3" in markdown_table(summary)
+
+
+def test_summary_arithmetic_by_hand():
+    def row(method, cat, tokens, seconds, passes, mismatch=None):
+        return {"question_id": 1, "category": cat, "method": method, "new_tokens": tokens, "seconds": seconds,
+                "target_forward_passes": passes, "mismatch_at": mismatch}
+    rows = [row("plain", "qa", 10, 2.0, 10), row("ngram", "qa", 10, 1.0, 4),
+            row("plain", "math", 10, 1.0, 10), row("ngram", "math", 10, 2.0, 8, mismatch=2),
+            row("hf-plain", "qa", 10, 4.0, 10), row("hf-plain", "math", 10, 4.0, 10)]
     s = summarize(rows)
-    assert s["ngram"]["mismatches"] == [(1, 2)]
-    assert s["ngram"]["overall_speedup"] == pytest.approx(2.0)
-    assert s["ngram"]["mean_accepted_tokens"] == pytest.approx(1.5)
+    ngram = s["methods"]["ngram"]
+    assert ngram["categories"]["qa"]["speedup"] == pytest.approx(2.0)
+    assert ngram["categories"]["math"]["speedup"] == pytest.approx(0.5)
+    assert ngram["speedup_vs_plain"] == pytest.approx(1.0)  # 20 tokens in 3 s both
+    assert ngram["speedup_vs_hf_plain"] == pytest.approx(8 / 3)
+    assert ngram["mean_accepted_tokens"] == pytest.approx(20 / 12)
+    assert ngram["mismatches"] == [[1, 2]]
+    assert s["fastest_plain"] == "plain" and s["best"] == "ngram"
+    assert s["headline_speedup"] == pytest.approx(1.0)
+    assert "plain ★" in markdown_table(s)
+
+
+def test_benchmark_writes_its_outputs_with_the_transformers_peers(pair_dirs, tmp_path):
+    target, draft = pair_dirs
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"Tell {c} {i}."]})
+                               for i, c in enumerate(["qa", "rag", "qa"])))
+    out = tmp_path / "out"
+    logs = []
+    summary = benchmark(target=target, draft=draft, dtype="float32", methods=["ngram", "model", "hf-plain",
+                        "hf-assisted", "hf-prompt-lookup"], questions_path=qfile, per_category=1, max_new_tokens=12,
+                        out=out, progress=False, log=logs.append)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 6  # 2 prompts (one per category) x 6 methods, the reference first
+    assert {r["method"] for r in rows} == {"plain", "ngram", "model", "hf-plain", "hf-assisted", "hf-prompt-lookup"}
+    assert json.loads((out / "summary.json").read_text())["config"]["prompts"] == 2
+    for png in ("speedup_by_category.png", "acceptance_by_position.png", "tokens_per_second.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "#mean accepted tokens" in (out / "table.md").read_text()
+    for m in ("ngram", "model"):
+        assert summary["methods"][m]["mismatches"] == []
+    # transformers counts one target forward per produced token when it does not draft
+    assert summary["methods"]["hf-plain"]["mean_accepted_tokens"] == pytest.approx(1.0)
+    assert summary["methods"]["hf-assisted"]["mean_accepted_tokens"] > 1.0
+
+
+def test_benchmark_rejects_bad_arguments(pair_dirs, tmp_path):
+    target, draft = pair_dirs
+    with pytest.raises(InvalidRequestError):
+        benchmark(target=target, draft=draft, methods=["plain"], max_new_tokens=0, out=tmp_path)
+    with pytest.raises(InvalidRequestError):
+        benchmark(target=target, draft=draft, methods=["plain"], temperature=-1, out=tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specdecode.drafting.base import Drafter
+from specdecode.drafting.hybrid import HybridDrafter
 from specdecode.drafting.model import ModelDrafter, check_same_tokenizer
 from specdecode.drafting.ngram import NgramDrafter
 from specdecode.drafting.none import NoDrafter
@@ -11,9 +12,10 @@ from specdecode.errors import InvalidRequestError
 from specdecode.models.catalog import DEFAULT_DRAFT
 from specdecode.models.loading import LoadedModel, load_model
 
-DRAFTERS = ("model", "ngram", "none")
+DRAFTERS = ("model", "ngram", "hybrid", "none")
 VERIFY_WIDTH = 9  # rows of every target decode forward in bit-exact mode: gamma <= 8
-DEFAULT_GAMMA = 4
+DEFAULT_GAMMA = 4  # the draft model's; copied tokens cost nothing to draft, so lookup proposes up to the width
+MAX_GAMMA = VERIFY_WIDTH - 1
 DRAFT_MIN_CONFIDENCE = 0.3  # adaptive mode: the draft model stops after a token it gives less than this
 
 
@@ -21,35 +23,46 @@ def load_target(target: str, *, dtype: str = "float32", device: str = "cpu", bit
     return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None)
 
 
-def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, adaptive: bool = False,
-                 max_context: int | None = None) -> Drafter:
+def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,
+                 adaptive: bool = False, max_context: int | None = None) -> Drafter:
     if kind == "none":
         return NoDrafter()
     if kind == "ngram":
         return NgramDrafter()
-    if kind == "model":
+    if kind in ("model", "hybrid"):
         if draft is None:
-            raise InvalidRequestError("drafter 'model' needs a draft model (--draft)")
+            raise InvalidRequestError(f"drafter {kind!r} needs a draft model (--draft)")
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
-        return ModelDrafter(draft.model, target.model.config.vocab_size,
-                            max_context or target.model.config.max_position_embeddings,
-                            min_confidence=DRAFT_MIN_CONFIDENCE if adaptive else 0.0)
+        model = ModelDrafter(draft.model, target.model.config.vocab_size,
+                             max_context or target.model.config.max_position_embeddings,
+                             min_confidence=DRAFT_MIN_CONFIDENCE if adaptive or kind == "hybrid" else 0.0)
+        return model if kind == "model" else HybridDrafter(model, gamma)
     raise InvalidRequestError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
 
 
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
-                    gamma: int = DEFAULT_GAMMA, adaptive: bool = False, dtype: str = "float32",
+                    gamma: int | None = None, adaptive: bool = False, dtype: str = "float32",
                     device: str = "cpu", bit_exact: bool = True, max_context: int | None = None) -> SpeculativeGenerator:
-    """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule."""
+    """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule.
+
+    gamma: the draft model's draft length (default 4); lookup drafts (ngram, hybrid) go up to the verify
+    width by default, since in bit-exact mode every step runs the full width anyway."""
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-    schedule = GammaSchedule(gamma, adaptive, maximum=VERIFY_WIDTH - 1)
+    if adaptive and drafter != "model":
+        raise InvalidRequestError("--adaptive applies to the model drafter only")
+    if gamma is not None and not 1 <= gamma <= MAX_GAMMA:
+        raise InvalidRequestError(f"gamma must be in [1, {MAX_GAMMA}], got {gamma}")
+    model_gamma = gamma or DEFAULT_GAMMA
+    schedule = GammaSchedule(MAX_GAMMA if drafter == "hybrid" or (drafter == "ngram" and gamma is None)
+                             else model_gamma, adaptive, maximum=MAX_GAMMA)
     tgt = target if isinstance(target, LoadedModel) else load_target(target, dtype=dtype, device=device,
                                                                      bit_exact=bit_exact)
     dft = None
-    if drafter == "model":
+    if drafter in ("model", "hybrid"):
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype, device=device)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    return SpeculativeGenerator(tgt.model, make_drafter(drafter, tgt, dft, adaptive=adaptive, max_context=max_context),
+    return SpeculativeGenerator(tgt.model, make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive,
+                                                         max_context=max_context),
                                 tgt.tokenizer, schedule, max_context)

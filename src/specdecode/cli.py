@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 
@@ -17,7 +18,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--gamma", type=int, default=DEFAULT_GAMMA, help="draft tokens per step (1..8)")
+    g.add_argument("--gamma", type=int, default=None,
+                   help=f"draft tokens per step, 1..8 (default: {DEFAULT_GAMMA} for the draft model, 8 for ngram/hybrid lookups)")
     g.add_argument("--adaptive", action="store_true", help="adapt the draft length to the acceptance")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu")
@@ -95,6 +97,23 @@ def _runtime_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.spec_bench import benchmark, markdown_table
+
+    summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype,
+                        gamma=args.gamma, questions_path=args.questions, categories=args.categories,
+                        per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, repeats=args.repeats, out=args.out, bit_exact=args.bit_exact)
+    print(markdown_table(summary))
+    print(f"\nwritten to {args.out}/: results.jsonl, summary.json, table.md, *.png")
+    bad = {m: s["mismatches"] for m, s in summary["methods"].items() if s["mismatches"] and m.partition(":")[0]
+           in ("ngram", "model", "adaptive")}
+    if bad:  # our speculative output left our plain decoding's path: a correctness failure, never hidden
+        print(f"specdecode: error: greedy mismatches (question id, position): {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +139,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("models", help="list the catalog and what is pulled")
     ls.set_defaults(func=_list)
+
+    from specdecode.bench.methods import OURS, PEERS
+    from specdecode.bench.spec_bench import DEFAULT_QUESTIONS
+    from specdecode.builder import DEFAULT_GAMMA
+    from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+    b = sub.add_parser("bench", help="Spec-Bench: our methods and peers interleaved per prompt; tables and plots",
+                       description="Speedups are tokens/s ratios on the same prompts, measured in this run on this "
+                                   "machine. A method is KIND or KIND:DTYPE; `plain` in --dtype always runs first as "
+                                   "the reference. Peers need `pip install specdecode[peers]` and are skipped if "
+                                   "missing.")
+    b.add_argument("--target", default=DEFAULT_TARGET)
+    b.add_argument("--draft", default=DEFAULT_DRAFT)
+    b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "adaptive"], metavar="METHOD",
+                   help=f"any of {', '.join(OURS + PEERS)}, optionally :float32 / :bfloat16")
+    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    b.add_argument("--gamma", type=int, default=None,
+                   help=f"draft length, 1..8 (default {DEFAULT_GAMMA} for the draft model, 8 for ngram lookups)")
+    b.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    b.add_argument("--categories", nargs="+", default=None)
+    b.add_argument("--per-category", type=int, default=2, help="the first N questions of each category (0 = all)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked against plain)")
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--out", type=Path, default=Path("bench_out"))
+    b.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
+    b.set_defaults(func=_bench)
 
     rb = sub.add_parser("runtime-bench", help="ms per forward of k tokens, load time, RSS; beside transformers")
     rb.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])

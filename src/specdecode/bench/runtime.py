@@ -49,16 +49,12 @@ def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, wid
 
 
 def _hf(model: str, dtype: str, context: int, ks: list[int], repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM, DynamicCache, GgufConfig
+    from transformers import DynamicCache
 
-    from specdecode.models.catalog import resolve
+    from specdecode.bench.peers import hf_model
 
-    path = resolve(model)
     t = time.perf_counter()
-    # dequantized, as we do: transformers' packed GGUF kernels would be a different comparison
-    kwargs = {"gguf_file": path.name, "quantization_config": GgufConfig(dequantize=True)} if path.is_file() else {}
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent if path.is_file() else path),
-                                              dtype=getattr(torch, dtype), **kwargs).eval()
+    hf = hf_model(model, dtype)
     load_s = time.perf_counter() - t
     ids = torch.randint(0, hf.config.vocab_size, (1, context + max(ks)))
     cache = DynamicCache(config=hf.config)

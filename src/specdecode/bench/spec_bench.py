@@ -1,19 +1,20 @@
-"""Spec-Bench runner: our methods interleaved per prompt, greedy mismatch check, per-category summary."""
+"""Spec-Bench runner: methods interleaved per prompt, greedy outputs checked against plain decoding,
+per-category speedups in Spec-Bench's layout."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.builder import build_generator, load_target
-from specdecode.engine import SpeculativeGenerator
-from specdecode.models.loading import load_model
+from specdecode.bench.methods import PLAIN_KINDS, Method
+from specdecode.errors import InvalidRequestError
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
-METHODS = ("plain", "ngram", "model", "adaptive")
+# a copy of hemingkx/Spec-Bench's data/spec_bench/question.jsonl, with its Apache-2.0 LICENSE beside it
+DEFAULT_QUESTIONS = Path(__file__).parent / "data" / "spec_bench" / "question.jsonl"
+REFERENCE = "plain"  # our plain decoding in the bench's dtype: every speedup and greedy check is against it
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,16 @@ class Question:
     prompt: str  # first turn only, as Spec-Bench's single-turn speed runs do
 
 
-def load_questions(path: Path, categories: list[str] | None = None, per_category: int | None = None) -> list[Question]:
+def load_questions(path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
+                   per_category: int | None = None) -> list[Question]:
     """A deterministic subset: the first `per_category` questions of each category, in file order."""
+    if not Path(path).is_file():
+        raise InvalidRequestError(f"no questions file at {path}")
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    known = {r["category"] for r in rows}
+    unknown = sorted(set(categories or ()) - known)
+    if unknown:
+        raise InvalidRequestError(f"unknown categories {unknown}; the file has {sorted(known)}")
     taken: dict[str, int] = defaultdict(int)
     out = []
     for r in rows:
@@ -39,14 +47,6 @@ def load_questions(path: Path, categories: list[str] | None = None, per_category
     return out
 
 
-def build_methods(target: str, draft: str, methods: list[str], dtype: str, gamma: int) -> dict[str, SpeculativeGenerator]:
-    tgt = load_target(target, dtype=dtype)
-    dft = load_model(draft, dtype=dtype) if {"model", "adaptive"} & set(methods) else None
-    spec = {"plain": dict(drafter="none"), "ngram": dict(drafter="ngram", gamma=gamma),
-            "model": dict(drafter="model", gamma=gamma), "adaptive": dict(drafter="model", adaptive=True)}
-    return {m: build_generator(tgt, draft=dft, **spec[m]) for m in methods}
-
-
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -54,80 +54,174 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run(questions: list[Question], gens: dict[str, SpeculativeGenerator], *, max_new_tokens: int = 128,
-        out: Path | None = None, progress: bool = True) -> list[dict]:
-    """Run every method on every question, methods interleaved per prompt; one warm-up run first.
+def own_baseline(name: str) -> str:
+    """The plain decoding a method must reproduce token for token: ours for ours, the peer's own for peers."""
+    kind, sep, dtype = name.partition(":")
+    family = "hf-plain" if kind.startswith("hf-") else "llama-cpp" if kind.startswith("llama-cpp") else "plain"
+    return family + sep + dtype
 
-    Each row's `mismatch_at` is its first token differing from the first method's (put `plain` first).
-    """
-    from rich.progress import Progress
 
-    for g in gens.values():  # warm-up, not counted
-        g.generate(questions[0].prompt, chat=True, max_new_tokens=8)
-    rows = []
-    with Progress(disable=not progress) as bar:
-        task = bar.add_task("spec-bench", total=len(questions) * len(gens))
-        for q in questions:
-            ref = None
-            for name, g in gens.items():
-                r = g.generate(q.prompt, chat=True, max_new_tokens=max_new_tokens)
-                row = {"question_id": q.question_id, "category": q.category, "method": name,
-                       "new_tokens": r.stats.new_tokens, "seconds": r.stats.total_seconds,
-                       "target_forward_passes": r.stats.target_forward_passes,
-                       "mean_accepted_length": r.stats.mean_accepted_length,
-                       "acceptance_rate": r.stats.acceptance_rate,
-                       "accepted_by_position": r.stats.accepted_by_position,
-                       "drafted_by_position": r.stats.drafted_by_position,
-                       "draft_seconds": r.stats.draft_seconds, "verify_seconds": r.stats.verify_seconds,
-                       "token_ids": r.token_ids}
-                if ref is None:
-                    ref = r.token_ids
-                row["mismatch_at"] = first_mismatch(ref, r.token_ids)
-                rows.append(row)
-                bar.advance(task)
-            if out is not None:
-                with open(out / "results.jsonl", "a") as f:
-                    for row in rows[-len(gens):]:
-                        f.write(json.dumps(row) + "\n")
+def run(questions: list[Question], methods: list[Method], encode: Callable[[str], list[int]], eos_ids: list[int], *,
+        max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1, out: Path | None = None,
+        progress: bool = True) -> list[dict]:
+    """Every method on every question, interleaved (A B C, A B C, ...) so drift hits all alike; one warm-up
+    run per method first, not counted. Rows are appended to `out/results.jsonl` as they come."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    assert methods and methods[0].name == REFERENCE, "our plain decoding runs first: it is the reference"
+    prompts = {q.question_id: encode(q.prompt) for q in questions}
+    for m in methods:
+        m.run(prompts[questions[0].question_id], 8, temperature, 0, eos_ids)
+    rows: list[dict] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("spec-bench", total=len(questions) * len(methods) * repeats)
+        for rep in range(repeats):
+            for q in questions:
+                done: dict[str, list[int]] = {}
+                for m in methods:
+                    bar.update(task, description=f"q{q.question_id} {m.name}")
+                    r = m.run(prompts[q.question_id], max_new_tokens, temperature, q.question_id * 1000 + rep, eos_ids)
+                    done[m.name] = r.token_ids
+                    row = {"question_id": q.question_id, "category": q.category, "method": m.name, "repeat": rep,
+                           "prompt_tokens": len(prompts[q.question_id]), "new_tokens": len(r.token_ids),
+                           "seconds": r.seconds, "target_forward_passes": r.target_forward_passes,
+                           "drafted_by_position": r.drafted_by_position,
+                           "accepted_by_position": r.accepted_by_position, "draft_seconds": r.draft_seconds,
+                           "token_ids": r.token_ids, "mismatch_at": None, "differs_from_plain_at": None}
+                    if temperature == 0:
+                        base = own_baseline(m.name)
+                        if base in done and base != m.name:
+                            row["mismatch_at"] = first_mismatch(done[base], r.token_ids)
+                        row["differs_from_plain_at"] = first_mismatch(done[REFERENCE], r.token_ids)
+                    rows.append(row)
+                    if out is not None:
+                        with open(out / "results.jsonl", "a") as f:
+                            f.write(json.dumps(row) + "\n")
+                    bar.advance(task)
     return rows
 
 
-def _totals(rs: list[dict], base: list[dict]) -> dict:
-    t = sum(r["seconds"] for r in rs)
-    return {"speedup": sum(r["seconds"] for r in base) / t,
-            "tokens_per_second": sum(r["new_tokens"] for r in rs) / t,
-            "mean_accepted_tokens": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forward_passes"] for r in rs))}
+def _speed(rs: list[dict]) -> float:
+    return sum(r["new_tokens"] for r in rs) / max(1e-9, sum(r["seconds"] for r in rs))
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per method and category: speedup = time(plain) / time(method) on the same prompts;
-    mean accepted tokens = generated tokens / target forward passes."""
-    by = defaultdict(lambda: defaultdict(list))
+    """Per method: speedup = tokens/s(method) / tokens/s(baseline) on the same prompts, which is
+    time(plain) / time(method) whenever the outputs are identical (greedy, lossless) and stays fair when a
+    peer's answer has another length; mean accepted tokens = generated tokens / target forward passes."""
+    by: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         by[r["method"]][r["category"]].append(r)
-    base = by["plain"]
-    summary = {}
-    for method, cats in by.items():
-        allr = [r for rs in cats.values() for r in rs]
-        overall = _totals(allr, [r for rs in base.values() for r in rs])
-        summary[method] = {
-            "categories": {cat: _totals(rs, base[cat]) for cat, rs in cats.items()},
-            "overall_speedup": overall["speedup"],
-            "tokens_per_second": overall["tokens_per_second"],
-            "mean_accepted_tokens": overall["mean_accepted_tokens"],
-            "acceptance_rate": statistics.mean(r["acceptance_rate"] for r in allr),
-            "draft_time_share": sum(r["draft_seconds"] for r in allr) / sum(r["seconds"] for r in allr),
-            "mismatches": [(r["question_id"], r["mismatch_at"]) for r in allr if r["mismatch_at"] is not None],
+    everything = {m: [r for rs in cats.values() for r in rs] for m, cats in by.items()}
+    methods: dict[str, dict] = {}
+    for m, cats in by.items():
+        rs = everything[m]
+        drafted = _sum_lists(r.get("drafted_by_position", []) for r in rs)
+        accepted = _sum_lists(r.get("accepted_by_position", []) for r in rs)
+        methods[m] = {
+            "categories": {c: {"speedup": _speed(x) / _speed(by[REFERENCE][c]), "tokens_per_second": _speed(x)}
+                           for c, x in cats.items()},
+            "tokens_per_second": _speed(rs),
+            "speedup_vs_plain": _speed(rs) / _speed(everything[REFERENCE]),
+            "speedup_vs_hf_plain": _speed(rs) / _speed(everything["hf-plain"]) if "hf-plain" in by else None,
+            "mean_accepted_tokens": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forward_passes"] for r in rs)),
+            "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
+            "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            "draft_time_share": sum(r.get("draft_seconds", 0.0) for r in rs) / max(1e-9, sum(r["seconds"] for r in rs)),
+            "baseline": own_baseline(m),
+            "mismatches": [[r["question_id"], r["mismatch_at"]] for r in rs if r.get("mismatch_at") is not None],
+            "differs_from_plain": sum(r.get("differs_from_plain_at") is not None for r in rs),
+            "prompts": len(rs),
         }
+    plains = [m for m in methods if m.partition(":")[0] in PLAIN_KINDS]
+    drafting = [m for m in methods if m not in plains]
+    fastest_plain = max(plains, key=lambda m: methods[m]["tokens_per_second"])
+    summary = {"methods": methods, "fastest_plain": fastest_plain, "best": None, "headline_speedup": None}
+    if drafting:
+        best = max(drafting, key=lambda m: methods[m]["tokens_per_second"])
+        summary["best"] = best
+        summary["headline_speedup"] = methods[best]["tokens_per_second"] / methods[fastest_plain]["tokens_per_second"]
     return summary
 
 
+def _sum_lists(lists) -> list[int]:
+    total: list[int] = []
+    for xs in lists:
+        total += [0] * (len(xs) - len(total))
+        for i, x in enumerate(xs):
+            total[i] += x
+    return total
+
+
 def markdown_table(summary: dict) -> str:
-    cats = sorted({c for s in summary.values() for c in s["categories"]})
-    lines = ["| method | " + " | ".join(cats) + " | #mean accepted tokens | tokens/s | speedup vs plain | mismatches |",
-             "|---" * (len(cats) + 5) + "|"]
-    for m, s in summary.items():
-        lines.append(f"| {m} | " + " | ".join(f"{s['categories'][c]['speedup']:.2f}x" for c in cats)
-                     + f" | {s['mean_accepted_tokens']:.2f} | {s['tokens_per_second']:.2f} | {s['overall_speedup']:.2f}x"
-                     + f" | {len(s['mismatches'])} |")
+    """Spec-Bench's layout: rows = methods, columns = categories, then #mean accepted tokens and totals.
+    ★ marks the fastest plain configuration, the baseline of the headline."""
+    methods = summary["methods"]
+    cats = sorted({c for s in methods.values() for c in s["categories"]})
+    head = ["method", *cats, "#mean accepted tokens", "tokens/s", "speedup vs plain", "vs hf-plain",
+            "greedy mismatches vs own plain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, s in methods.items():
+        hf = f"{s['speedup_vs_hf_plain']:.2f}x" if s["speedup_vs_hf_plain"] is not None else "–"
+        mark = " ★" if m == summary["fastest_plain"] else ""
+        base = "–" if s["baseline"] == m else f"{len(s['mismatches'])} of {s['prompts']}"
+        cells = [f"{m}{mark}", *(f"{s['categories'][c]['speedup']:.2f}x" if c in s["categories"] else "–" for c in cats),
+                 f"{s['mean_accepted_tokens']:.2f}", f"{s['tokens_per_second']:.2f}",
+                 f"{s['speedup_vs_plain']:.2f}x", hf, base]
+        lines.append("| " + " | ".join(cells) + " |")
+    if summary["best"]:
+        lines.append("")
+        lines.append(f"Headline: {summary['best']} at {summary['headline_speedup']:.2f}x the fastest plain "
+                     f"decoding measured ({summary['fastest_plain']}).")
     return "\n".join(lines)
+
+
+def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", gamma: int | None = None,
+              questions_path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
+              per_category: int | None = 2, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,
+              out: Path = Path("bench_out"), bit_exact: bool = True, progress: bool = True, log=print) -> dict:
+    """The whole `specdecode bench`: load, run interleaved, write results.jsonl, summary.json, table.md, PNGs."""
+    import datetime
+    import platform
+
+    import torch
+
+    from specdecode.bench.methods import build_methods, parse_methods
+    from specdecode.bench.plots import write_plots
+    from specdecode.bench.runtime import cpu_name
+    from specdecode.verification.sampling import SamplingParams
+
+    SamplingParams(temperature)
+    if max_new_tokens <= 0 or repeats <= 0 or (per_category is not None and per_category <= 0):
+        raise InvalidRequestError("--max-new-tokens, --repeats and --per-category must be >= 1")
+    specs = parse_methods(methods, dtype)
+    questions = load_questions(questions_path, categories, per_category)
+    if not questions:
+        raise InvalidRequestError("no questions selected")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("")
+    machine = {"cpu": cpu_name(), "capability": torch.backends.cpu.get_cpu_capability(),
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+               "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    log(f"CPU: {machine['cpu']} ({machine['capability']}), {machine['threads']} threads, torch {machine['torch']}")
+    log(f"{len(questions)} prompts × {len(specs)} methods × {repeats} repeat(s), {max_new_tokens} new tokens, "
+        f"temperature {temperature}")
+    built = build_methods(specs, target, draft, dtype, gamma=gamma, bit_exact=bit_exact, log=log)
+    reference = built[0].generator  # our plain decoding: its tokenizer and chat template encode every prompt
+    rows = run(questions, built, lambda p: reference.encode(p, chat=True), sorted(reference.eos_ids),
+               max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, out=out, progress=progress)
+    summary = summarize(rows)
+    summary["config"] = {"target": target, "draft": draft, "dtype": dtype, "gamma": gamma,
+                         "methods": [m.name for m in built], "categories": sorted({q.category for q in questions}),
+                         "prompts": len(questions), "max_new_tokens": max_new_tokens, "temperature": temperature,
+                         "repeats": repeats, "bit_exact": bit_exact}
+    summary["machine"] = machine
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    table = markdown_table(summary)
+    (out / "table.md").write_text(f"{machine['cpu']}, {machine['date'][:10]}; {len(questions)} prompts, "
+                                  f"{max_new_tokens} new tokens, {dtype}\n\n{table}\n")
+    write_plots(rows, summary, out, f"{len(questions)} prompts, {dtype}, {machine['cpu']}")
+    return summary
