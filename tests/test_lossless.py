@@ -17,6 +17,7 @@ from specdecode.drafting.none import NoDrafter
 from specdecode.engine import GammaSchedule, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.loading import load_model
+from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.rejection import verify_sampling
 from specdecode.verification.sampling import SamplingParams, processed_probs
 from tests.conftest import perturbed, save_tiny, tiny_hf_model, tiny_tokenizer
@@ -169,8 +170,8 @@ def test_the_distribution_test_catches_a_planted_bug(small_vocab, bug):
     assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) < 1e-3
 
 
-@pytest.mark.parametrize("kind", ["model", "hybrid"])
-def test_engine_sampling_first_token_distribution_and_seeds(small_vocab, kind):
+@pytest.mark.parametrize("kind,coupling", [("model", "rejection"), ("hybrid", "rejection"), ("model", "gumbel")])
+def test_engine_sampling_first_token_distribution_and_seeds(small_vocab, kind, coupling):
     """End to end through the engine (gamma 3): first-token frequencies match p. The hybrid's prompt repeats
     itself, so its first draft is a copied point mass and later ones come from the draft model."""
     target, near = small_vocab["target"], small_vocab["near"]
@@ -179,13 +180,59 @@ def test_engine_sampling_first_token_distribution_and_seeds(small_vocab, kind):
     drafter = model if kind == "model" else HybridDrafter(model, model_gamma=3)
     prompt = PROMPT if kind == "model" else [1, 7, 3, 1, 7]
     gen = SpeculativeGenerator(target, drafter, None, GammaSchedule(3), max_context=64)
-    first = [gen.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=6, seed=s, eos_ids=[]).token_ids[0]
-             for s in range(600)]
+    first = [gen.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=6, seed=s, eos_ids=[],
+                          coupling=coupling).token_ids[0] for s in range(600)]
     p1 = processed_probs(logit_tables(target, prompt)[0], params).double().numpy()
     assert chi_square_p(np.bincount(first, minlength=V), p1) > 1e-3
-    a = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
-    b = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[])
+    a = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[], coupling=coupling)
+    b = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[], coupling=coupling)
     assert a.token_ids == b.token_ids  # a seed reproduces a run
+
+
+# ---- Gumbel coupling: exact samples, and the same tokens whatever the drafter and gamma ----
+
+def gumbel_first_two(target, params: SamplingParams, n: int, noise_fn=gumbel_noise) -> np.ndarray:
+    """Counts of (t1, t2) from plain Gumbel-coupled sampling over n seeds."""
+    P1, P2, _ = logit_tables(target)
+    pos = len(PROMPT)
+    noise = torch.stack([noise_fn(s, [pos, pos + 1], V) for s in range(n)])  # [n, 2, V]
+    t1 = noisy_scores(processed_probs(P1, params), noise[:, 0]).argmax(-1)
+    t2 = noisy_scores(processed_probs(P2, params)[t1], noise[:, 1]).argmax(-1)
+    return torch.bincount(t1 * V + t2, minlength=V * V).numpy()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.6, top_k=5), SamplingParams(1.0, top_p=0.8)],
+                         ids=["temperature 1", "temperature 0.6 top-k 5", "top-p 0.8"])
+def test_gumbel_coupled_samples_follow_the_target_distribution(small_vocab, params):
+    counts = gumbel_first_two(small_vocab["target"], params, 30_000)
+    assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) > 1e-3
+
+
+def test_the_gumbel_distribution_test_catches_noise_shared_across_positions(small_vocab):
+    params = SamplingParams(1.0)
+    shared = lambda seed, positions, vocab: gumbel_noise(seed, [0] * len(positions), vocab)  # noqa: E731
+    counts = gumbel_first_two(small_vocab["target"], params, 30_000, noise_fn=shared)
+    assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) < 1e-3
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "hybrid"])
+def test_gumbel_seeded_output_equals_plain_seeded_output(tiny_pair, drafter_kind):
+    target, draft = tiny_pair
+    plain = SpeculativeGenerator(target.model, NoDrafter(), target.tokenizer)
+    request = dict(max_new_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95, eos_ids=[], coupling="gumbel")
+    prompts = random_prompts(20, 64)
+    expected = [plain.generate(p, seed=i, **request).token_ids for i, p in enumerate(prompts)]
+    for gamma in (1, 3, 8):
+        drafter = make_drafter(drafter_kind, target, draft, gamma=min(gamma, 4))
+        gen = SpeculativeGenerator(target.model, drafter, target.tokenizer, GammaSchedule(gamma))
+        accepted = 0
+        for i, (p, exp) in enumerate(zip(prompts, expected)):
+            r = gen.generate(p, seed=i, **request)
+            assert r.token_ids == exp, f"gamma {gamma}, prompt {i}"
+            accepted += r.stats.accepted_tokens
+        assert accepted > 0
+    other_seed = [plain.generate(p, seed=i + 1, **request).token_ids for i, p in enumerate(prompts)]
+    assert other_seed != expected  # the seed matters: the test is not comparing constants
 
 
 # ---- rollback and bad input ----

@@ -10,7 +10,7 @@ import pytest
 
 from specdecode.bench.methods import EngineMethod, MethodSpec, RunOutput, parse_methods
 from specdecode.bench.spec_bench import (DEFAULT_QUESTIONS, benchmark, first_mismatch, load_questions,
-                                         markdown_table, own_baseline, run, summarize)
+                                         markdown_table, own_baseline, report, run, summarize)
 from specdecode.builder import build_generator
 from specdecode.errors import InvalidRequestError
 
@@ -40,7 +40,8 @@ def pair_dirs(tmp_path_factory):
 
 def test_subset_is_deterministic_first_turn_only(questions_file):
     qs = load_questions(questions_file, categories=["qa", "math"], per_category=2)
-    assert [(q.question_id, q.category) for q in qs] == [(0, "qa"), (1, "qa"), (2, "math"), (4, "math")]
+    # the first two of each category, round robin over the categories
+    assert [(q.question_id, q.category) for q in qs] == [(0, "qa"), (2, "math"), (1, "qa"), (4, "math")]
     assert qs[0].prompt == "Say qa 0."
     with pytest.raises(InvalidRequestError, match="unknown categories"):
         load_questions(questions_file, categories=["poetry"])
@@ -161,6 +162,11 @@ def test_benchmark_writes_its_outputs_with_the_transformers_peers(pair_dirs, tmp
     for png in ("speedup_by_category.png", "acceptance_by_position.png", "tokens_per_second.png"):
         assert (out / png).stat().st_size > 1000
     assert "#mean accepted tokens" in (out / "table.md").read_text()
+    # a run cut short reports the prompts every method finished
+    (out / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:-1]))
+    cut = report(out)
+    assert cut["prompts_finished"] == 1 and all(s["prompts"] == 1 for s in cut["methods"].values())
+    assert "cut short: 1 of 2" in (out / "table.md").read_text()
     for m in ("ngram", "model"):
         assert summary["methods"][m]["mismatches"] == []
     # transformers counts one target forward per produced token when it does not draft

@@ -28,16 +28,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "greedy output may then differ from plain decoding at near-ties)")
 
 
+def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
+    from specdecode.verification.sampling import COUPLINGS
+
+    p.add_argument("--coupling", choices=COUPLINGS, default="rejection",
+                   help="sampling only. rejection: standard speculative sampling. gumbel: per-position noise from "
+                        "(seed, position), so a seeded output is the same as plain seeded decoding's, whatever the "
+                        "drafter or gamma")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from specdecode.builder import build_generator, load_target
     from specdecode.verification.sampling import SamplingParams
 
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # bad values fail before the slow load
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.coupling)  # fail before the slow load
     target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact)
     gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, adaptive=args.adaptive,
                           dtype=args.dtype, device=args.device)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat)
+                   top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat, coupling=args.coupling)
     stream = gen.stream(args.prompt, **request)
     if args.json:
         for _ in stream:
@@ -98,12 +107,13 @@ def _runtime_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from specdecode.bench.spec_bench import benchmark, markdown_table
+    from specdecode.bench.spec_bench import benchmark, markdown_table, report
 
-    summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype,
+    summary = report(args.out) if args.report else benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype,
                         gamma=args.gamma, questions_path=args.questions, categories=args.categories,
                         per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, repeats=args.repeats, out=args.out, bit_exact=args.bit_exact)
+                        temperature=args.temperature, repeats=args.repeats, out=args.out, bit_exact=args.bit_exact,
+                        coupling=args.coupling)
     print(markdown_table(summary))
     print(f"\nwritten to {args.out}/: results.jsonl, summary.json, table.md, *.png")
     bad = {m: s["mismatches"] for m, s in summary["methods"].items() if s["mismatches"] and m.partition(":")[0]
@@ -128,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_coupling_arg(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("--compare-plain", action="store_true",
                    help="also decode the prompt without drafting and report the speedup and token identity")
@@ -161,9 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--per-category", type=int, default=2, help="the first N questions of each category (0 = all)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked against plain)")
+    _add_coupling_arg(b)
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--out", type=Path, default=Path("bench_out"))
     b.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
+    b.add_argument("--report", action="store_true",
+                   help="run nothing: rebuild summary, table and plots from --out (e.g. after a run cut short)")
     b.set_defaults(func=_bench)
 
     rb = sub.add_parser("runtime-bench", help="ms per forward of k tokens, load time, RSS; beside transformers")

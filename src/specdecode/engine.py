@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -12,8 +12,9 @@ from specdecode.drafting.base import Drafter
 from specdecode.errors import InvalidRequestError
 from specdecode.models.decoder import Transformer
 from specdecode.stats import GenerationStats
+from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.rejection import verify_greedy, verify_sampling
-from specdecode.verification.sampling import SamplingParams
+from specdecode.verification.sampling import SamplingParams, processed_probs
 
 
 DEFAULT_MAX_CONTEXT = 8192  # tokens; caps the preallocated KV cache of long-context models
@@ -125,9 +126,11 @@ class SpeculativeGenerator:
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-               eos_ids: Sequence[int] | None = None, chat: bool = False) -> Stream:
+               eos_ids: Sequence[int] | None = None, chat: bool = False, coupling: str = "rejection") -> Stream:
         """Validate the request now (errors raise here), decode lazily as the stream is iterated."""
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, seed, coupling)
+        if params.gumbel and seed is None:  # the noise is a function of the seed: fix one for this request
+            params = replace(params, seed=int(torch.randint(0, 2**62, ())))
         if max_new_tokens <= 0:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.encode(prompt, chat)
@@ -162,6 +165,9 @@ class SpeculativeGenerator:
             tokens = torch.tensor([draft.tokens], dtype=torch.int64)  # [1, g]
             if params.greedy:
                 n, nxt = verify_greedy(logits, tokens)
+            elif params.gumbel:  # the target's noisy argmax at positions len(ids) .. len(ids) + g
+                noise = gumbel_noise(params.seed, range(len(ids), len(ids) + tokens.shape[1] + 1), logits.shape[-1])
+                n, nxt = verify_greedy(noisy_scores(processed_probs(logits, params), noise), tokens)
             else:  # q: draft probs (None = point mass); p: target probs, from logits [1, g + 1, V]
                 q = None if draft.probs is None else draft.probs.unsqueeze(0)
                 n, nxt = verify_sampling(logits, tokens, q, params, generator)

@@ -68,12 +68,13 @@ class EngineMethod:
 
     name: str
     generator: SpeculativeGenerator
+    coupling: str = "rejection"  # how sampled drafts are verified (see verification/)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
             eos_ids: list[int]) -> RunOutput:
         t = time.perf_counter()
         r = self.generator.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                    eos_ids=eos_ids)
+                                    eos_ids=eos_ids, coupling=self.coupling)
         s = r.stats
         return RunOutput(r.token_ids, time.perf_counter() - t, s.target_forward_passes, s.drafted_by_position,
                          s.accepted_by_position, s.draft_seconds)
@@ -90,7 +91,8 @@ def parse_methods(names: list[str], default_dtype: str) -> list[MethodSpec]:
 
 
 def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtype: str, *,
-                  gamma: int | None, bit_exact: bool = True, log=print) -> list[Method]:
+                  gamma: int | None, bit_exact: bool = True, coupling: str = "rejection",
+                  log=print) -> list[Method]:
     """Load each (model, dtype) once; peers whose package is missing are skipped with a message."""
     from specdecode.bench import peers
 
@@ -108,7 +110,8 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
                 if spec.dtype not in drafts:
                     drafts[spec.dtype] = load_model(draft, dtype=spec.dtype)
                 dft = drafts[spec.dtype]
-            methods.append(EngineMethod(name, build_generator(targets[spec.dtype], draft=dft, gamma=gamma, **cfg)))
+            gen = build_generator(targets[spec.dtype], draft=dft, gamma=gamma, **cfg)
+            methods.append(EngineMethod(name, gen, coupling))
         else:
             try:
                 methods.append(peers.build(spec.kind, name, target, draft, spec.dtype))

@@ -4,6 +4,7 @@ and llama.cpp through llama-cpp-python (plain, prompt lookup). Optional: `pip in
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ def hf_model(model: str, dtype: str):
 
     logging.set_verbosity_error()  # its per-call deprecation notices would bury the progress bar
     logging.disable_progress_bar()
+    os.environ.setdefault("TQDM_DISABLE", "1")  # its GGUF loader's own tqdm bar
     path = resolve(model)
     kwargs: dict[str, Any] = {}
     if path.is_file():

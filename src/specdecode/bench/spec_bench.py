@@ -26,7 +26,8 @@ class Question:
 
 def load_questions(path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
                    per_category: int | None = None) -> list[Question]:
-    """A deterministic subset: the first `per_category` questions of each category, in file order."""
+    """A deterministic subset: the first `per_category` questions of each category (file order),
+    ordered round robin over the categories."""
     if not Path(path).is_file():
         raise InvalidRequestError(f"no questions file at {path}")
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -35,16 +36,17 @@ def load_questions(path: Path = DEFAULT_QUESTIONS, categories: list[str] | None 
     if unknown:
         raise InvalidRequestError(f"unknown categories {unknown}; the file has {sorted(known)}")
     taken: dict[str, int] = defaultdict(int)
-    out = []
-    for r in rows:
+    picked = []  # (rank within its category, file order, question)
+    for i, r in enumerate(rows):
         cat = r["category"]
         if categories and cat not in categories:
             continue
         if per_category is not None and taken[cat] >= per_category:
             continue
+        picked.append((taken[cat], i, Question(int(r["question_id"]), cat, r["turns"][0])))
         taken[cat] += 1
-        out.append(Question(int(r["question_id"]), cat, r["turns"][0]))
-    return out
+    # round robin over categories: a run cut short still covers every category evenly
+    return [q for _, _, q in sorted(picked, key=lambda t: t[:2])]
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -90,7 +92,7 @@ def run(questions: list[Question], methods: list[Method], encode: Callable[[str]
                            "drafted_by_position": r.drafted_by_position,
                            "accepted_by_position": r.accepted_by_position, "draft_seconds": r.draft_seconds,
                            "token_ids": r.token_ids, "mismatch_at": None, "differs_from_plain_at": None}
-                    if temperature == 0:
+                    if temperature == 0 or coupling == "gumbel":  # outputs must equal their plain decoding
                         base = own_baseline(m.name)
                         if base in done and base != m.name:
                             row["mismatch_at"] = first_mismatch(done[base], r.token_ids)
@@ -101,6 +103,15 @@ def run(questions: list[Question], methods: list[Method], encode: Callable[[str]
                             f.write(json.dumps(row) + "\n")
                     bar.advance(task)
     return rows
+
+
+def complete_rows(rows: list[dict]) -> list[dict]:
+    """The rows of (question, repeat) pairs that every method finished: what a run cut short can report."""
+    methods = {r["method"] for r in rows}
+    done: dict[tuple, set] = defaultdict(set)
+    for r in rows:
+        done[(r["question_id"], r.get("repeat", 0))].add(r["method"])
+    return [r for r in rows if done[(r["question_id"], r.get("repeat", 0))] == methods]
 
 
 def _speed(rs: list[dict]) -> float:
@@ -181,7 +192,8 @@ def markdown_table(summary: dict) -> str:
 def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", gamma: int | None = None,
               questions_path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
               per_category: int | None = 2, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,
-              out: Path = Path("bench_out"), bit_exact: bool = True, progress: bool = True, log=print) -> dict:
+              out: Path = Path("bench_out"), bit_exact: bool = True, coupling: str = "rejection",
+              progress: bool = True, log=print) -> dict:
     """The whole `specdecode bench`: load, run interleaved, write results.jsonl, summary.json, table.md, PNGs."""
     import datetime
     import platform
@@ -189,11 +201,10 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
     import torch
 
     from specdecode.bench.methods import build_methods, parse_methods
-    from specdecode.bench.plots import write_plots
     from specdecode.bench.runtime import cpu_name
     from specdecode.verification.sampling import SamplingParams
 
-    SamplingParams(temperature)
+    SamplingParams(temperature, coupling=coupling)
     if max_new_tokens <= 0 or repeats <= 0 or (per_category is not None and per_category <= 0):
         raise InvalidRequestError("--max-new-tokens, --repeats and --per-category must be >= 1")
     specs = parse_methods(methods, dtype)
@@ -209,19 +220,38 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
     log(f"CPU: {machine['cpu']} ({machine['capability']}), {machine['threads']} threads, torch {machine['torch']}")
     log(f"{len(questions)} prompts × {len(specs)} methods × {repeats} repeat(s), {max_new_tokens} new tokens, "
         f"temperature {temperature}")
-    built = build_methods(specs, target, draft, dtype, gamma=gamma, bit_exact=bit_exact, log=log)
+    built = build_methods(specs, target, draft, dtype, gamma=gamma, bit_exact=bit_exact, coupling=coupling, log=log)
+    config = {"target": target, "draft": draft, "dtype": dtype, "gamma": gamma, "methods": [m.name for m in built],
+              "categories": sorted({q.category for q in questions}), "prompts": len(questions),
+              "max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
+              "bit_exact": bit_exact, "coupling": coupling}
+    (out / "run.json").write_text(json.dumps({"config": config, "machine": machine}, indent=2))
     reference = built[0].generator  # our plain decoding: its tokenizer and chat template encode every prompt
-    rows = run(questions, built, lambda p: reference.encode(p, chat=True), sorted(reference.eos_ids),
-               max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, out=out, progress=progress)
+    run(questions, built, lambda p: reference.encode(p, chat=True), sorted(reference.eos_ids),
+        max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, out=out, progress=progress)
+    return report(out)
+
+
+def report(out: Path) -> dict:
+    """summary.json, table.md and the plots from `out/results.jsonl` and `out/run.json`; for a run cut
+    short, from the prompts every method finished."""
+    from specdecode.bench.plots import write_plots
+
+    out = Path(out)
+    if not (out / "results.jsonl").is_file() or not (out / "run.json").is_file():
+        raise InvalidRequestError(f"{out} holds no benchmark run (results.jsonl and run.json)")
+    meta = json.loads((out / "run.json").read_text())
+    all_rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = complete_rows(all_rows)
+    if not rows:
+        raise InvalidRequestError(f"{out}: no prompt was finished by every method yet")
     summary = summarize(rows)
-    summary["config"] = {"target": target, "draft": draft, "dtype": dtype, "gamma": gamma,
-                         "methods": [m.name for m in built], "categories": sorted({q.category for q in questions}),
-                         "prompts": len(questions), "max_new_tokens": max_new_tokens, "temperature": temperature,
-                         "repeats": repeats, "bit_exact": bit_exact}
-    summary["machine"] = machine
+    cfg, machine = meta["config"], meta["machine"]
+    done = len({(r["question_id"], r.get("repeat", 0)) for r in rows})
+    summary.update(meta, prompts_finished=done)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    table = markdown_table(summary)
-    (out / "table.md").write_text(f"{machine['cpu']}, {machine['date'][:10]}; {len(questions)} prompts, "
-                                  f"{max_new_tokens} new tokens, {dtype}\n\n{table}\n")
-    write_plots(rows, summary, out, f"{len(questions)} prompts, {dtype}, {machine['cpu']}")
+    cut = "" if done == cfg["prompts"] * cfg["repeats"] else f" (cut short: {done} of {cfg['prompts'] * cfg['repeats']})"
+    title = f"{done} prompts{cut}, {cfg['max_new_tokens']} new tokens, {cfg['dtype']}"
+    (out / "table.md").write_text(f"{machine['cpu']}, {machine['date'][:10]}; {title}\n\n{markdown_table(summary)}\n")
+    write_plots(rows, summary, out, f"{title}, {machine['cpu']}")
     return summary

@@ -7,6 +7,7 @@ import torch
 from specdecode.drafting.base import Draft
 from specdecode.errors import ModelLoadError
 from specdecode.models.decoder import Transformer
+from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.sampling import SamplingParams, processed_probs, sample
 
 
@@ -42,10 +43,15 @@ class ModelDrafter:
         for _ in range(gamma):
             if len(self.cached) + len(feed) >= self.max_len:
                 break
-            logits = self._forward(feed)  # [V_draft]
+            logits = self._forward(feed)  # [V_target]
             if params.greedy:
                 tok = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[tok]) if self.min_confidence else 1.0
+            elif params.gumbel:  # the noise the target will use at this position: no q needed
+                q = processed_probs(logits, params)
+                noise = gumbel_noise(params.seed, [len(context) + len(tokens)], len(q))
+                tok = int(noisy_scores(q, noise).argmax())
+                confidence = float(q[tok])
             else:
                 q = processed_probs(logits, params)
                 tok = sample(q, generator)
@@ -55,7 +61,7 @@ class ModelDrafter:
             feed = [tok]
             if confidence < self.min_confidence:
                 break
-        return Draft(tokens, torch.stack(qs) if qs else None)
+        return Draft(tokens, torch.stack(qs) if qs else None)  # None: greedy or Gumbel-coupled
 
     def _forward(self, feed: list[int]) -> torch.Tensor:
         start = torch.tensor([len(self.cached)])

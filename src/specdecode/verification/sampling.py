@@ -13,14 +13,20 @@ import torch
 from specdecode.errors import InvalidRequestError
 
 
+COUPLINGS = ("rejection", "gumbel")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+    coupling: str = "rejection"  # "rejection": standard speculative sampling; "gumbel": see verification/gumbel.py
 
     def __post_init__(self) -> None:
+        if self.coupling not in COUPLINGS:
+            raise InvalidRequestError(f"coupling must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}")
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -31,6 +37,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def gumbel(self) -> bool:
+        return self.coupling == "gumbel" and not self.greedy
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)
