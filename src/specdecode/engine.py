@@ -12,9 +12,8 @@ from specdecode.drafting.base import Drafter
 from specdecode.errors import InvalidRequestError
 from specdecode.models.decoder import Transformer
 from specdecode.stats import GenerationStats
-from specdecode.verification.gumbel import gumbel_noise, noisy_scores
-from specdecode.verification.rejection import verify_greedy, verify_sampling
-from specdecode.verification.sampling import SamplingParams, processed_probs
+from specdecode.verification.sampling import SamplingParams
+from specdecode.verification.verify import verify
 
 
 DEFAULT_MAX_CONTEXT = 8192  # tokens; caps the preallocated KV cache of long-context models
@@ -163,20 +162,12 @@ class SpeculativeGenerator:
             t1 = time.perf_counter()
             logits = self.target(torch.tensor([[ids[-1]] + draft.tokens]), torch.tensor([len(ids) - 1]), cache)
             tokens = torch.tensor([draft.tokens], dtype=torch.int64)  # [1, g]
-            if params.greedy:
-                n, nxt = verify_greedy(logits, tokens)
-            elif params.gumbel:  # the target's noisy argmax at positions len(ids) .. len(ids) + g
-                noise = gumbel_noise(params.seed, range(len(ids), len(ids) + tokens.shape[1] + 1), logits.shape[-1])
-                n, nxt = verify_greedy(noisy_scores(processed_probs(logits, params), noise), tokens)
-            else:  # q: draft probs (None = point mass); p: target probs, from logits [1, g + 1, V]
-                q = None if draft.probs is None else draft.probs.unsqueeze(0)
-                n, nxt = verify_sampling(logits, tokens, q, params, generator)
-            accepted = int(n)
+            accepted, nxt = verify(logits, tokens, draft.probs, params, generator, position=len(ids))
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += time.perf_counter() - t1
             stats.record_step(len(draft.tokens), accepted)
             gamma = self.gamma.next(gamma, len(draft.tokens), accepted)
-            new = draft.tokens[:accepted] + [int(nxt)]
+            new = draft.tokens[:accepted] + [nxt]
             for i, tok in enumerate(new):
                 if tok in eos:
                     finish = "stop"
