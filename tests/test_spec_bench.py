@@ -74,12 +74,12 @@ def test_method_names_and_baselines():
         parse_methods(["ngram", "ngram"], "float32")
 
 
-def _methods(tiny_pair):
+def _methods(tiny_pair, coupling: str = "rejection"):
     target, draft = tiny_pair
     target.tokenizer.chat_template = CHAT
-    return [EngineMethod("plain", build_generator(target, drafter="none")),
-            EngineMethod("ngram", build_generator(target, drafter="ngram")),
-            EngineMethod("model", build_generator(target, draft=draft, drafter="model"))]
+    return [EngineMethod("plain", build_generator(target, drafter="none"), coupling),
+            EngineMethod("ngram", build_generator(target, drafter="ngram"), coupling),
+            EngineMethod("model", build_generator(target, draft=draft, drafter="model"), coupling)]
 
 
 def test_methods_interleave_agree_and_summary_arithmetic(tiny_pair, questions_file):
@@ -99,6 +99,20 @@ def test_methods_interleave_agree_and_summary_arithmetic(tiny_pair, questions_fi
             sum(r["new_tokens"] for r in mine) / sum(r["target_forward_passes"] for r in mine))
     assert s["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
     assert s["model"]["acceptance_by_position"] and all(0 <= a <= 1 for a in s["model"]["acceptance_by_position"])
+
+
+@pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
+def test_sampled_runs_check_only_coupled_outputs(tiny_pair, questions_file, coupling):
+    methods = _methods(tiny_pair, coupling)
+    qs = load_questions(questions_file, per_category=1)
+    rows = run(qs, methods, lambda p: methods[0].generator.encode(p, chat=True), [], max_new_tokens=10,
+               temperature=0.8, progress=False)
+    assert len(rows) == 3 * len(qs)
+    checked = [r for r in rows if r["differs_from_plain_at"] is not None or r["mismatch_at"] is not None]
+    assert checked == []  # gumbel: our seeded outputs equal plain seeded decoding; rejection: nothing compared
+    if coupling == "rejection":  # independent samples: some output differs from plain's, unnoticed by design
+        plain = {r["question_id"]: r["token_ids"] for r in rows if r["method"] == "plain"}
+        assert any(r["token_ids"] != plain[r["question_id"]] for r in rows if r["method"] != "plain")
 
 
 @dataclass

@@ -107,17 +107,20 @@ def _runtime_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.methods import OURS
     from specdecode.bench.spec_bench import benchmark, markdown_table, report
 
-    summary = report(args.out) if args.report else benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype,
-                        gamma=args.gamma, questions_path=args.questions, categories=args.categories,
-                        per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, repeats=args.repeats, out=args.out, bit_exact=args.bit_exact,
-                        coupling=args.coupling)
+    if args.report:
+        summary = report(args.out)
+    else:
+        summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype,
+                            gamma=args.gamma, questions_path=args.questions, categories=args.categories,
+                            per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, repeats=args.repeats, out=args.out,
+                            bit_exact=args.bit_exact, coupling=args.coupling)
     print(markdown_table(summary))
     print(f"\nwritten to {args.out}/: results.jsonl, summary.json, table.md, *.png")
-    bad = {m: s["mismatches"] for m, s in summary["methods"].items() if s["mismatches"] and m.partition(":")[0]
-           in ("ngram", "model", "adaptive")}
+    bad = {m: s["mismatches"] for m, s in summary["methods"].items() if s["mismatches"] and m.partition(":")[0] in OURS}
     if bad:  # our speculative output left our plain decoding's path: a correctness failure, never hidden
         print(f"specdecode: error: greedy mismatches (question id, position): {bad}", file=sys.stderr)
         return 1
