@@ -13,6 +13,7 @@ from specdecode.models.catalog import DEFAULT_DRAFT
 from specdecode.models.loading import LoadedModel, load_model
 
 DRAFTERS = ("model", "ngram", "hybrid", "none")
+WITH_DRAFT_MODEL = ("model", "hybrid")  # the drafters that load and run a draft model
 VERIFY_WIDTH = 9  # rows of every target decode forward in bit-exact mode: gamma <= 8
 DEFAULT_GAMMA = 4  # the draft model's; copied tokens cost nothing to draft, so lookup proposes up to the width
 MAX_GAMMA = VERIFY_WIDTH - 1
@@ -29,7 +30,7 @@ def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, g
         return NoDrafter()
     if kind == "ngram":
         return NgramDrafter()
-    if kind in ("model", "hybrid"):
+    if kind in WITH_DRAFT_MODEL:
         if draft is None:
             raise InvalidRequestError(f"drafter {kind!r} needs a draft model (--draft)")
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
@@ -59,7 +60,7 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
     tgt = target if isinstance(target, LoadedModel) else load_target(target, dtype=dtype, device=device,
                                                                      bit_exact=bit_exact)
     dft = None
-    if drafter in ("model", "hybrid"):
+    if drafter in WITH_DRAFT_MODEL:
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype, device=device)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)

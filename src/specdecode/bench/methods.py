@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specdecode.builder import build_generator, load_target
+from specdecode.builder import WITH_DRAFT_MODEL, build_generator, load_target
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.loading import DTYPES, LoadedModel, load_model
@@ -106,7 +106,7 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
                 targets[spec.dtype] = load_target(target, dtype=spec.dtype, bit_exact=bit_exact)
             cfg = _OUR_CONFIG[spec.kind]
             dft = None
-            if cfg["drafter"] in ("model", "hybrid"):
+            if cfg["drafter"] in WITH_DRAFT_MODEL:
                 if spec.dtype not in drafts:
                     drafts[spec.dtype] = load_model(draft, dtype=spec.dtype)
                 dft = drafts[spec.dtype]

@@ -47,16 +47,15 @@ class ModelDrafter:
             if params.greedy:
                 tok = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[tok]) if self.min_confidence else 1.0
-            elif params.gumbel:  # the noise the target will use at this position: no q needed
-                q = processed_probs(logits, params)
-                noise = gumbel_noise(params.seed, [len(context) + len(tokens)], len(q))
-                tok = int(noisy_scores(q, noise).argmax())
-                confidence = float(q[tok])
             else:
                 q = processed_probs(logits, params)
-                tok = sample(q, generator)
+                if params.gumbel:  # the noise the target will use here; verification needs no q
+                    noise = gumbel_noise(params.seed, [len(context) + len(tokens)], len(q))
+                    tok = int(noisy_scores(q, noise).argmax())
+                else:
+                    tok = sample(q, generator)
+                    qs.append(q)
                 confidence = float(q[tok])
-                qs.append(q)
             tokens.append(tok)
             feed = [tok]
             if confidence < self.min_confidence:
