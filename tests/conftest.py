@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from specdecode.models.loading import LoadedModel, load_model
 
+CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a chat template the tiny tokenizer can encode
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 

@@ -14,9 +14,7 @@ from specdecode.bench.spec_bench import (DEFAULT_QUESTIONS, benchmark, first_mis
 from specdecode.builder import build_generator
 from specdecode.errors import InvalidRequestError
 
-from .conftest import perturbed, save_tiny, tiny_hf_model, tiny_tokenizer
-
-CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+from .conftest import CHAT, perturbed, save_tiny, tiny_hf_model, tiny_tokenizer
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from specdecode.drafting.base import Drafter
 from specdecode.drafting.hybrid import HybridDrafter
 from specdecode.drafting.model import ModelDrafter, check_same_tokenizer
@@ -11,6 +13,7 @@ from specdecode.engine import DEFAULT_MAX_CONTEXT, GammaSchedule, SpeculativeGen
 from specdecode.errors import InvalidRequestError
 from specdecode.models.catalog import DEFAULT_DRAFT
 from specdecode.models.loading import LoadedModel, load_model
+from specdecode.serving.scheduler import Scheduler
 
 DRAFTERS = ("model", "ngram", "hybrid", "none")
 WITH_DRAFT_MODEL = ("model", "hybrid")  # the drafters that load and run a draft model
@@ -48,6 +51,24 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
 
     gamma: the draft model's draft length (default 4); lookup drafts (ngram, hybrid) go up to the verify
     width by default, since in bit-exact mode every step runs the full width anyway."""
+    generator, _ = _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context)
+    return generator
+
+
+def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue: int = 64,
+                    on_step: Callable[[int], None] | None = None, **generator_args) -> Scheduler:
+    """A continuous-batching scheduler for the server: one drafter per batch slot, sharing the draft model."""
+    if max_batch < 1 or max_queue < 0:
+        raise InvalidRequestError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+    generator, new_drafter = _assemble(target, **generator_args)
+    drafters = [generator.drafter] + [new_drafter() for _ in range(max_batch - 1)]
+    return Scheduler(generator, drafters, max_queue=max_queue, on_step=on_step)
+
+
+def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
+              gamma: int | None = None, adaptive: bool = False, dtype: str = "float32", device: str = "cpu",
+              bit_exact: bool = True, max_context: int | None = None
+              ) -> tuple[SpeculativeGenerator, Callable[[], Drafter]]:
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if adaptive and drafter != "model":
@@ -64,6 +85,8 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype, device=device)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    return SpeculativeGenerator(tgt.model, make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive,
-                                                         max_context=max_context),
-                                tgt.tokenizer, schedule, max_context)
+
+    def new_drafter() -> Drafter:
+        return make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive, max_context=max_context)
+
+    return SpeculativeGenerator(tgt.model, new_drafter(), tgt.tokenizer, schedule, max_context), new_drafter

@@ -127,6 +127,42 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from specdecode.builder import build_scheduler
+    from specdecode.serving.app import create_app
+
+    scheduler = build_scheduler(args.target, draft=args.draft, drafter=args.drafter, gamma=args.gamma,
+                                adaptive=args.adaptive, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact,
+                                max_context=args.max_context, max_batch=args.max_batch, max_queue=args.max_queue)
+    name = args.served_model_name or Path(args.target).name
+    app = create_app(scheduler, name, api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY"))
+    print(f"serving {name!r} (drafter {args.drafter}, up to {args.max_batch} sequences per step; linears stay "
+          f"bit-exact for {scheduler.invariant_batch} sequences per matmul) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from specdecode.bench.serving import load, serving_bench, serving_table
+
+    if args.url:
+        for n in args.clients:
+            print(json.dumps(load(args.url, args.model, n, args.requests_per_client, args.max_tokens,
+                                  api_key=args.api_key)))
+        return 0
+    rows = serving_bench(args.target, args.draft, tuple(args.drafters), tuple(args.clients), args.max_batch,
+                         args.requests_per_client, args.max_tokens, args.dtype, args.max_context, args.out,
+                         progress=lambda line: print(line, file=sys.stderr))
+    print(serving_table(rows))
+    print(f"written to {args.out}/: serving.json, serving.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +218,40 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--report", action="store_true",
                    help="run nothing: rebuild summary, table and plots from --out (e.g. after a run cut short)")
     b.set_defaults(func=_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative steps",
+                        description="POST /v1/completions and /v1/chat/completions (stream or not), GET /v1/models, "
+                                    "/health, /metrics (Prometheus), /docs and /openapi.json.")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-batch", type=int, default=8, help="sequences decoded together per engine step")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
+    sv.add_argument("--max-context", type=int, default=None, help="prompt + output tokens per request "
+                    "(default: the model's, capped at 8192); sizes the KV cache")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SPECDECODE_API_KEY)")
+    sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=_serve)
+
+    bs = sub.add_parser("bench-serve", help="load-test the server: tokens/s and latency at several client counts",
+                        description="Starts our server in-process for each drafter, batched (--max-batch) and with one "
+                                    "sequence per step, and drives it with concurrent streaming chat clients on "
+                                    "Spec-Bench prompts (greedy). With --url, drives that server instead.")
+    bs.add_argument("--target", default=DEFAULT_TARGET)
+    bs.add_argument("--draft", default=DEFAULT_DRAFT)
+    bs.add_argument("--drafters", nargs="+", default=["none", "model"], choices=["none", "ngram", "model", "hybrid"])
+    bs.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    bs.add_argument("--max-batch", type=int, default=8)
+    bs.add_argument("--requests-per-client", type=int, default=2)
+    bs.add_argument("--max-tokens", type=int, default=64)
+    bs.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    bs.add_argument("--max-context", type=int, default=2048)
+    bs.add_argument("--out", type=Path, default=Path("bench_serve_out"))
+    bs.add_argument("--url", default=None, help="load-test this running server (e.g. http://127.0.0.1:8000)")
+    bs.add_argument("--model", default="bench", help="with --url: the model id to send")
+    bs.add_argument("--api-key", default=None)
+    bs.set_defaults(func=_bench_serve)
 
     rb = sub.add_parser("runtime-bench", help="ms per forward of k tokens, load time, RSS; beside transformers")
     rb.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])

@@ -78,6 +78,64 @@ class Stream:
                 yield e
 
 
+class Sequence:
+    """One request's decoding state, shared by the single-request loop below and the server's batching
+    scheduler: the context, what was generated, the text emitted so far, the draft length and the stats.
+
+    `commit` applies one verified step and returns the events it produces; stop conditions (eos,
+    stop strings, max tokens) are decided here, once.
+    """
+
+    def __init__(self, ids: list[int], max_new: int, params: SamplingParams, stop: tuple[str, ...],
+                 eos: frozenset[int], gamma: GammaSchedule, tokenizer=None) -> None:
+        self.ids, self.max_new, self.params, self.stop, self.eos = ids, max_new, params, stop, eos
+        self.schedule, self.gamma, self.tokenizer = gamma, gamma.initial, tokenizer
+        self.generator = params.generator()
+        self.stats = GenerationStats(prompt_tokens=len(ids))
+        self.out: list[int] = []
+        self.text = ""
+        self.finish: str | None = None  # "stop" (eos or stop string) | "length"
+        self._hit_stop = False
+        self.t_start = time.perf_counter()
+
+    def draft_len(self) -> int:
+        """Draft tokens worth proposing now: the bonus token always comes from the target."""
+        return min(self.gamma, self.max_new - len(self.out) - 1)
+
+    def commit(self, draft_tokens: list[int], accepted: int, nxt: int) -> list[TokenEvent]:
+        self.stats.record_step(len(draft_tokens), accepted)
+        self.gamma = self.schedule.next(self.gamma, len(draft_tokens), accepted)
+        events = []
+        for i, tok in enumerate(draft_tokens[:accepted] + [nxt]):
+            if tok in self.eos:
+                self.finish = "stop"
+                break
+            self.ids.append(tok)
+            self.out.append(tok)
+            piece, self.text, self._hit_stop = _detokenize(self.tokenizer, self.out, self.text, self.stop)
+            events.append(TokenEvent(tok, piece, drafted=i < accepted))
+            if self._hit_stop:
+                self.finish = "stop"
+                break
+            if len(self.out) >= self.max_new:
+                self.finish = "length"
+                break
+        return events
+
+    def close(self) -> list[TokenEvent | GenerationResult]:
+        """The last events of a finished sequence: text held back as a possible stop string, then the result."""
+        events: list[TokenEvent | GenerationResult] = []
+        if not self._hit_stop:
+            full = _decode_text(self.tokenizer, self.out)
+            if len(full) > len(self.text):
+                events.append(TokenEvent(None, full[len(self.text):], drafted=False))
+                self.text = full
+        self.stats.new_tokens = len(self.out)
+        self.stats.total_seconds = time.perf_counter() - self.t_start
+        events.append(GenerationResult(self.text, self.out, self.stats, self.finish or "length"))
+        return events
+
+
 class SpeculativeGenerator:
     """A target model, a drafter and a tokenizer; `generate` and `stream` run one request."""
 
@@ -96,17 +154,17 @@ class SpeculativeGenerator:
         self.eos_ids = frozenset(eos)
         self.cache = None  # allocated once, reused by every request (rollback makes stale slots harmless)
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
+        """Token ids of a text prompt, a list of ids, or a list of chat messages ({"role", "content"})."""
+        if isinstance(prompt, str) and chat:
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self._apply_chat_template(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
-            if chat:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                         add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-                return list(ids)
             return self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         if not ids:
@@ -116,6 +174,13 @@ class SpeculativeGenerator:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
+    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return list(ids)
+
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
@@ -123,10 +188,11 @@ class SpeculativeGenerator:
         assert stream.result is not None
         return stream.result
 
-    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-               eos_ids: Sequence[int] | None = None, chat: bool = False, coupling: str = "rejection") -> Stream:
-        """Validate the request now (errors raise here), decode lazily as the stream is iterated."""
+    def prepare(self, prompt: str | Sequence[int] | list[dict], *, max_new_tokens: int = 128,
+                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None, chat: bool = False,
+                coupling: str = "rejection") -> Sequence:
+        """Validate a request and build its Sequence (InvalidRequestError on bad input; nothing runs yet)."""
         params = SamplingParams(temperature, top_k, top_p, seed, coupling)
         if params.gumbel and seed is None:  # the noise is a function of the seed: fix one for this request
             params = replace(params, seed=int(torch.randint(0, 2**62, ())))
@@ -139,74 +205,51 @@ class SpeculativeGenerator:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
         max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
         eos = self.eos_ids if eos_ids is None else frozenset(eos_ids)
-        return Stream(self._decode(ids, max_new_tokens, params, tuple(stop), eos))
+        return Sequence(ids, max_new_tokens, params, tuple(stop), eos, self.gamma, self.tokenizer)
 
-    def _decode(self, ids: list[int], max_new: int, params: SamplingParams, stop: tuple[str, ...],
-                eos: frozenset[int]) -> Iterator[TokenEvent | GenerationResult]:
-        t_start = time.perf_counter()
-        stats = GenerationStats(prompt_tokens=len(ids))
-        generator = params.generator()
+    def stream(self, prompt: str | Sequence[int], **request) -> Stream:
+        """Validate the request now (errors raise here), decode lazily as the stream is iterated."""
+        return Stream(self._decode(self.prepare(prompt, **request)))
+
+    def _decode(self, seq: Sequence) -> Iterator[TokenEvent | GenerationResult]:
         self.drafter.reset()
         if self.cache is None:
             self.cache = self.target.new_cache(1, self.max_context + self.gamma.maximum + 1)
-        cache = self.cache
+        ids = seq.ids
         # the cache holds all but the last context token; each step feeds [last, draft...]
         if len(ids) > 1:
-            self.target(torch.tensor([ids[:-1]]), torch.tensor([0]), cache, num_logits=0)
-        stats.prefill_seconds = time.perf_counter() - t_start
-        out: list[int] = []
-        text, finish, gamma, hit = "", None, self.gamma.initial, False
-        while finish is None:
+            self.target(torch.tensor([ids[:-1]]), torch.tensor([0]), self.cache, num_logits=0)
+        seq.stats.prefill_seconds = time.perf_counter() - seq.t_start
+        while seq.finish is None:
             t0 = time.perf_counter()
-            draft = self.drafter.propose(ids, min(gamma, max_new - len(out) - 1), params, generator)
+            draft = self.drafter.propose(ids, seq.draft_len(), seq.params, seq.generator)
             t1 = time.perf_counter()
-            logits = self.target(torch.tensor([[ids[-1]] + draft.tokens]), torch.tensor([len(ids) - 1]), cache)
+            logits = self.target(torch.tensor([[ids[-1]] + draft.tokens]), torch.tensor([len(ids) - 1]), self.cache)
             tokens = torch.tensor([draft.tokens], dtype=torch.int64)  # [1, g]
-            accepted, nxt = verify(logits, tokens, draft.probs, params, generator, position=len(ids))
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += time.perf_counter() - t1
-            stats.record_step(len(draft.tokens), accepted)
-            gamma = self.gamma.next(gamma, len(draft.tokens), accepted)
-            new = draft.tokens[:accepted] + [nxt]
-            for i, tok in enumerate(new):
-                if tok in eos:
-                    finish = "stop"
-                    break
-                ids.append(tok)
-                out.append(tok)
-                piece, text, hit = self._detokenize(out, text, stop)
-                yield TokenEvent(tok, piece, drafted=i < accepted)
-                if hit:
-                    finish = "stop"
-                    break
-                if len(out) >= max_new:
-                    finish = "length"
-                    break
-        if not hit:  # emit text held back as a possible stop string
-            full = self._decode_text(out)
-            if len(full) > len(text):
-                yield TokenEvent(None, full[len(text):], drafted=False)
-                text = full
-        stats.new_tokens = len(out)
-        stats.total_seconds = time.perf_counter() - t_start
-        yield GenerationResult(text, out, stats, finish)
+            accepted, nxt = verify(logits, tokens, draft.probs, seq.params, seq.generator, position=len(ids))
+            seq.stats.draft_seconds += t1 - t0
+            seq.stats.verify_seconds += time.perf_counter() - t1
+            yield from seq.commit(draft.tokens, accepted, nxt)
+        yield from seq.close()
 
-    def _decode_text(self, out: list[int]) -> str:
-        return self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _detokenize(self, out: list[int], text: str, stop: tuple[str, ...]) -> tuple[str, str, bool]:
-        """The new piece of text, the text emitted so far, and whether a stop string appeared.
+def _decode_text(tokenizer, out: list[int]) -> str:
+    return tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
 
-        Text that could be the start of a stop string, or an incomplete UTF-8 character, is held
-        back until the next token decides it.
-        """
-        full = self._decode_text(out)
-        if full.endswith("\ufffd"):
-            return "", text, False
-        for s in stop:
-            at = full.find(s, max(0, len(text) - len(s)))
-            if s and at >= 0:
-                return full[len(text):at], full[:at], True
-        held = max((k for s in stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
-        safe = max(len(text), len(full) - held)
-        return full[len(text):safe], full[:safe], False
+
+def _detokenize(tokenizer, out: list[int], text: str, stop: tuple[str, ...]) -> tuple[str, str, bool]:
+    """The new piece of text, the text emitted so far, and whether a stop string appeared.
+
+    Text that could be the start of a stop string, or an incomplete UTF-8 character, is held
+    back until the next token decides it.
+    """
+    full = _decode_text(tokenizer, out)
+    if full.endswith("\ufffd"):
+        return "", text, False
+    for s in stop:
+        at = full.find(s, max(0, len(text) - len(s)))
+        if s and at >= 0:
+            return full[len(text):at], full[:at], True
+    held = max((k for s in stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+    safe = max(len(text), len(full) - held)
+    return full[len(text):safe], full[:safe], False

@@ -10,6 +10,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forward_passes: int = 0  # decode steps; prefill is counted apart
+    drafts: int = 0  # steps whose drafter proposed at least one token
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     drafted_by_position: list[int] = field(default_factory=list)
@@ -21,6 +22,7 @@ class GenerationStats:
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.target_forward_passes += 1
+        self.drafts += drafted > 0
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         grow = drafted - len(self.drafted_by_position)
@@ -59,6 +61,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_forward_passes": self.target_forward_passes,
+            "drafts": self.drafts,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import DenseLinear
+from specdecode.models.linear import DenseLinear, invariant_rows
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 
@@ -90,9 +90,9 @@ class Block(nn.Module):
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
         self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slots: torch.Tensor,
+    def forward(self, x: torch.Tensor, layer: int, cache: KVCache, rows: torch.Tensor | None, slots: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, visible: list[torch.Tensor]) -> torch.Tensor:
-        # x: [B, T, D]; slots: [B, T] cache slots written; cos/sin: [B, 1, T, hd]
+        # x: [B, T, D]; rows: [B] cache rows (None: 0..B-1); slots: [B, T] cache slots written; cos/sin: [B, 1, T, hd]
         cfg = self.cfg
         B, T, _ = x.shape
         H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -103,22 +103,23 @@ class Block(nn.Module):
         v = v.view(B, T, KVH, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        rows = torch.arange(B).view(B, 1)
-        cache.k[layer].permute(0, 2, 1, 3)[rows, slots] = k.transpose(1, 2)
-        cache.v[layer].permute(0, 2, 1, 3)[rows, slots] = v.transpose(1, 2)
-        attn = blocked_attention(q, cache.k[layer], cache.v[layer], visible)  # [B, H, T, hd]
+        index = (torch.arange(B) if rows is None else rows).view(B, 1)
+        cache.k[layer].permute(0, 2, 1, 3)[index, slots] = k.transpose(1, 2)
+        cache.v[layer].permute(0, 2, 1, 3)[index, slots] = v.transpose(1, 2)
+        attn = blocked_attention(q, cache.k[layer], cache.v[layer], rows, visible)  # [B, H, T, hd]
         x = x + self.o(attn.transpose(1, 2).reshape(B, T, H * hd))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
 
 
-def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None,
                       visible: list[torch.Tensor]) -> torch.Tensor:
     """Attention over the cache in fixed blocks of ATTN_BLOCK keys, in order, with online softmax.
 
-    q: [B, H, T, hd]; k_cache, v_cache: [B, KVH, capacity, hd]; visible[b]: [B, 1, T, ATTN_BLOCK]
-    bool for cache block b. Every block has the same shape whatever the cache length, and a
-    fully masked block leaves a query's running sums bit-for-bit unchanged.
+    q: [B, H, T, hd]; k_cache, v_cache: [batch, KVH, capacity, hd]; rows: [B] the cache rows of the
+    B sequences (None: the first B); visible[b]: [B, 1, T, ATTN_BLOCK] bool for cache block b. Every
+    block has the same shape whatever the cache length or the batch, and a fully masked block leaves
+    a query's running sums bit-for-bit unchanged.
     """
     B, H, T, hd = q.shape
     KVH = k_cache.shape[1]
@@ -128,8 +129,9 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     denom = torch.zeros(B, KVH, G * T, 1)
     acc = torch.zeros(B, KVH, G * T, hd)
     for b, vis in enumerate(visible):
-        kb = k_cache[:, :, b * ATTN_BLOCK:(b + 1) * ATTN_BLOCK].float()  # [B, KVH, N, hd]
-        vb = v_cache[:, :, b * ATTN_BLOCK:(b + 1) * ATTN_BLOCK].float()
+        block = slice(b * ATTN_BLOCK, (b + 1) * ATTN_BLOCK)
+        kb = (k_cache[:B, :, block] if rows is None else k_cache[rows, :, block]).float()  # [B, KVH, N, hd]
+        vb = (v_cache[:B, :, block] if rows is None else v_cache[rows, :, block]).float()
         s = (qg @ kb.transpose(-1, -2)).view(B, KVH, G, T, ATTN_BLOCK)
         s = s.masked_fill(~vis.unsqueeze(2), float("-inf")).view(B, KVH, G * T, ATTN_BLOCK)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
@@ -200,14 +202,31 @@ class Transformer(nn.Module):
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
 
+    def enable_batching(self, max_batch: int) -> int:
+        """Keep bit-exactness for batches of up to `max_batch` sequences: each linear splits its rows into
+        chunks no larger than this CPU computes row-invariantly (measured once per weight shape).
+        Returns the fewest sequences any linear takes in one matmul (1: no batching gain on linears)."""
+        if self.decode_width is None:  # no bit-exact promise to keep
+            return max_batch
+        linears = [m for m in self.modules() if isinstance(m, DenseLinear)]
+        measured: dict[tuple, int] = {}
+        for lin in linears:
+            key = (tuple(lin.weight.shape), lin.weight.dtype)
+            if key not in measured:
+                measured[key] = invariant_rows(lin.weight, self.decode_width, max_batch)
+            lin.max_rows = measured[key] * self.decode_width
+        return min(measured.values(), default=max_batch)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, num_logits: int | None = None,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                return_hidden: bool = False, rows: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per sequence and return their logits.
 
         tokens: [B, T] ids; start: [B] cache length of each sequence before this step (its new
-        tokens go to slots start..start+T-1). tree_mask: optional [B, T, T] bool, which new tokens
+        tokens go to slots start..start+T-1); rows: [B] which cache rows hold the B sequences
+        (default: rows 0..B-1). tree_mask: optional [B, T, T] bool, which new tokens
         each new token sees (default causal; a token tree passes its ancestor mask, and positions
         are then start + depth). num_logits: only the last n rows get logits (prefill needs 1).
         Returns logits [B, n, V] float32, and the final hidden states [B, n, D] if asked.
@@ -236,7 +255,7 @@ class Transformer(nn.Module):
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         x = self.embed[tokens]
         for i, block in enumerate(self.blocks):
-            x = block(x, i, cache, slots, cos, sin, visible)
+            x = block(x, i, cache, rows, slots, cos, sin, visible)
         n = T if num_logits is None else min(num_logits, T)
         if Tp == W:  # keep the fixed shape through lm_head, then drop padding rows
             h = rms_norm(x, self.norm, self.config.rms_norm_eps)

@@ -1,0 +1,290 @@
+"""The OpenAI-compatible HTTP API over a batching Scheduler (FastAPI).
+
+Every request is validated and tokenized here, then handed to the scheduler's thread; its events come
+back through an asyncio queue. A client that goes away cancels its request, which frees its batch
+slot before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import uvicorn
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.engine import GenerationResult, TokenEvent
+from specdecode.errors import InvalidRequestError
+from specdecode.serving.metrics import Metrics
+from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specdecode.serving.scheduler import QueueFullError, Scheduler
+
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+KNOWN_PATHS = GENERATION_ENDPOINTS + ("/v1/models", "/health", "/metrics")
+ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+DISCONNECT_POLL_SECONDS = 0.5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, ERROR_KINDS.get(status, "invalid_request_error"), param, code),
+                        status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if err.get("type") == "extra_forbidden":
+        return f"unknown field {param!r}", param
+    if err.get("type") == "missing":
+        return f"missing required field {param!r}", param
+    return (f"{param}: {err.get('msg')}" if param else str(err.get("msg"))), param
+
+
+class _CountRequests:
+    """ASGI middleware counting every HTTP request by endpoint and status (499: the client went away)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 499}
+
+        async def send_and_note(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+            self.metrics.requests.labels(endpoint=path, status=str(status["code"])).inc()
+
+
+def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> FastAPI:
+    gen = scheduler.gen
+    metrics = Metrics(running=lambda: scheduler.running, waiting=lambda: scheduler.queued)
+    scheduler.on_step = metrics.batch_size.observe
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="specdecode", description="OpenAI-compatible API with lossless speculative decoding",
+                  lifespan=lifespan)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(400, *_validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    def authorized(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "running": scheduler.running, "waiting": scheduler.queued}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "specdecode", "max_model_len": gen.max_context}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate("text_completion", body, body.prompt, body.max_tokens, request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        messages = [m.as_template_message() for m in body.messages]
+        return await _generate("chat.completion", body, messages, body.max_completion_tokens or body.max_tokens,
+                               request)
+
+    async def _generate(kind: str, body, prompt, max_tokens: int | None, request: Request):
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        try:
+            seq = gen.prepare(prompt, max_new_tokens=max_tokens or gen.max_context, temperature=body.temperature,
+                              top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
+                              coupling=body.coupling)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc)) from exc
+        if max_tokens is not None and seq.max_new < max_tokens:
+            raise APIError(400, f"the prompt has {len(seq.ids)} tokens and max_tokens is {max_tokens}, but the "
+                                f"context holds {gen.max_context} tokens (--max-context)", param="max_tokens",
+                           code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event) -> None:  # runs on the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        try:
+            req = scheduler.submit(seq, emit)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), code="queue_full") from exc
+        reply = _Reply(kind, model_name, request.url.path, metrics, time.perf_counter())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(reply.stream(events, lambda: scheduler.cancel(req), include_usage),
+                                     media_type="text/event-stream")
+        result = await reply.collect(events, request, lambda: scheduler.cancel(req))
+        return JSONResponse(result)
+
+    return app
+
+
+class _Reply:
+    """Turns one request's engine events into an OpenAI response body or a stream of SSE chunks."""
+
+    def __init__(self, kind: str, model: str, endpoint: str, metrics: Metrics, t0: float) -> None:
+        self.kind, self.model, self.endpoint, self.metrics, self.t0 = kind, model, endpoint, metrics, t0
+        self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.first_token = True
+
+    def _note(self, event) -> None:
+        if isinstance(event, TokenEvent) and event.token_id is not None and self.first_token:
+            self.first_token = False
+            self.metrics.ttft.observe(time.perf_counter() - self.t0)
+        if isinstance(event, GenerationResult):
+            self.metrics.record_generation(event.stats)
+            self.metrics.latency.labels(endpoint=self.endpoint).observe(time.perf_counter() - self.t0)
+
+    def _usage(self, result: GenerationResult) -> dict:
+        p, c = result.stats.prompt_tokens, result.stats.new_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def collect(self, events: asyncio.Queue, request: Request, cancel) -> dict:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    cancel()
+                    raise APIError(499, "the client disconnected") from None
+                continue
+            self._note(event)
+            if isinstance(event, Exception):
+                raise APIError(500, f"generation failed: {type(event).__name__}: {event}")
+            if isinstance(event, GenerationResult):
+                break
+        result = event
+        if self.kind == "chat.completion":
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self._usage(result), "speculative": result.stats.to_dict()}
+
+    def _chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+        if self.kind == "chat.completion":
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+
+    async def stream(self, events: asyncio.Queue, cancel, include_usage: bool) -> AsyncIterator[str]:
+        def sse(obj: dict) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        done = False
+        try:
+            if self.kind == "chat.completion":
+                yield sse(self._chunk("", role=True))
+            while True:
+                event = await events.get()
+                self._note(event)
+                if isinstance(event, Exception):
+                    done = True
+                    yield sse(error_body(f"generation failed: {type(event).__name__}: {event}", "server_error"))
+                    break
+                if isinstance(event, TokenEvent):
+                    if event.text:
+                        yield sse(self._chunk(event.text))
+                    continue
+                done = True
+                last = self._chunk(finish=event.finish_reason)
+                last["speculative"] = event.stats.to_dict()
+                yield sse(last)
+                if include_usage:
+                    yield sse(self._chunk() | {"choices": [], "usage": self._usage(event)})
+                break
+            yield "data: [DONE]\n\n"
+        finally:  # also reached when the client disconnects and the server cancels this generator
+            if not done:
+                cancel()
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Run `app` under uvicorn in a background thread (port 0: a free one); yields its base URL."""
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        if not thread.is_alive() or time.time() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

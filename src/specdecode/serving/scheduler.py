@@ -1,0 +1,200 @@
+"""Continuous batching: each step drafts for every active sequence and verifies them all in one target forward.
+
+Sequences occupy rows ("slots") of one preallocated KV cache. A step:
+  1. drops cancelled requests and admits waiting ones into free slots (prefill, one at a time);
+  2. asks each sequence's own drafter for up to its gamma tokens (ragged lengths);
+  3. runs one target forward over [B, 1 + max draft] tokens (shorter drafts padded; padding rows
+     write cache slots past their sequence, which no real token ever sees);
+  4. verifies each sequence on its own rows, commits, and frees the slots of finished sequences.
+
+Bit-exact mode stays bit-exact here: every sequence gets the decode width's rows, and each linear
+splits the batch's rows into chunks this CPU computes row-invariantly (`Transformer.enable_batching`),
+so a sequence's logits do not depend on which others share the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.drafting.base import Draft, Drafter
+from specdecode.engine import GenerationResult, Sequence, SpeculativeGenerator, TokenEvent
+from specdecode.errors import SpecDecodeError
+from specdecode.verification.verify import verify
+
+log = logging.getLogger(__name__)
+
+Event = TokenEvent | GenerationResult | Exception  # an Exception ends the request with an error
+
+
+class QueueFullError(SpecDecodeError):
+    """Every slot is busy and the waiting queue is at its limit: the client should retry later."""
+
+
+@dataclass(eq=False)
+class Request:
+    seq: Sequence
+    emit: Callable[[Event], None]  # called from the scheduler's thread; must be quick
+    id: int = field(default_factory=itertools.count().__next__)
+    slot: int | None = None
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    """Serves concurrent requests from one background thread; `submit` and `cancel` are thread-safe."""
+
+    def __init__(self, generator: SpeculativeGenerator, drafters: list[Drafter], max_queue: int = 64,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        if not drafters:
+            raise ValueError("the scheduler needs one drafter per batch slot")
+        self.gen, self.target, self.drafters = generator, generator.target, drafters
+        self.max_batch, self.max_queue, self.on_step = len(drafters), max_queue, on_step
+        # fewest sequences a linear takes per matmul while staying bit-exact on this CPU
+        self.invariant_batch = self.target.enable_batching(self.max_batch)
+        self.cache = self.target.new_cache(self.max_batch, generator.max_context + generator.gamma.maximum + 1)
+        self.free = list(range(self.max_batch))
+        self.waiting: deque[Request] = deque()
+        self.active: dict[int, Request] = {}  # slot -> request
+        self.steps = 0
+        self.sequence_steps = 0  # sum over steps of the sequences in each: mean batch = sequence_steps / steps
+        self.cancelled = 0  # requests dropped before they finished (their client went away)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- thread-safe API -------------------------------------------------------------------------
+    def submit(self, seq: Sequence, emit: Callable[[Event], None]) -> Request:
+        with self._cond:
+            if len(self.waiting) >= self.max_queue + len(self.free):  # free slots take waiting ones next step
+                raise QueueFullError(f"the server is busy ({self.max_batch} running, {len(self.waiting)} "
+                                     "waiting); retry later")
+            req = Request(seq, emit)
+            self.waiting.append(req)
+            self._cond.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request (its client went away); its slot is freed before the next step."""
+        with self._cond:
+            req.cancelled = True
+            self._cond.notify()
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="specdecode-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self.waiting or self.active)
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug or an out-of-memory must not take the server down
+                log.exception("scheduler step failed")
+                for req in list(self.active.values()):
+                    self._finish(req, [exc])
+
+    def step(self) -> None:
+        """One engine step over every active sequence (admitting waiting ones first)."""
+        self._admit()
+        batch = list(self.active.values())
+        if not batch:
+            return
+        drafts: list[Draft] = []
+        for req in batch:
+            t0 = time.perf_counter()
+            drafts.append(self.drafters[req.slot].propose(req.seq.ids, req.seq.draft_len(), req.seq.params,
+                                                          req.seq.generator))
+            req.seq.stats.draft_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        width = 1 + max(len(d.tokens) for d in drafts)
+        tokens = torch.tensor([[r.seq.ids[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
+                               for r, d in zip(batch, drafts)])  # [B, width]
+        start = torch.tensor([len(r.seq.ids) - 1 for r in batch])
+        slots = [r.slot for r in batch]
+        rows = None if slots == list(range(len(slots))) else torch.tensor(slots)
+        logits = self.target(tokens, start, self.cache, rows=rows)  # [B, width, V]
+        forward_seconds = time.perf_counter() - t1
+        self.steps += 1
+        self.sequence_steps += len(batch)
+        if self.on_step is not None:
+            self.on_step(len(batch))
+        for b, (req, draft) in enumerate(zip(batch, drafts)):
+            seq, g = req.seq, len(draft.tokens)
+            accepted, nxt = verify(logits[b:b + 1, :g + 1], torch.tensor([draft.tokens], dtype=torch.int64),
+                                   draft.probs, seq.params, seq.generator, position=len(seq.ids))
+            seq.stats.verify_seconds += forward_seconds
+            for event in seq.commit(draft.tokens, accepted, nxt):
+                req.emit(event)
+            if seq.finish is not None:
+                self._finish(req, seq.close())
+
+    def _admit(self) -> None:
+        with self._cond:
+            dropped = [r for r in self.active.values() if r.cancelled] + [r for r in self.waiting if r.cancelled]
+            for req in dropped:
+                self._release(req)
+            self.cancelled += len(dropped)
+            self.waiting = deque(r for r in self.waiting if not r.cancelled)
+            admitted = []
+            while self.free and self.waiting:
+                req = self.waiting.popleft()
+                req.slot = self.free.pop(0)
+                self.active[req.slot] = req
+                admitted.append(req)
+        for req in admitted:  # prefill outside the lock: submit/cancel stay responsive
+            try:
+                self._prefill(req)
+            except Exception as exc:
+                log.exception("prefill failed")
+                self._finish(req, [exc])
+
+    def _prefill(self, req: Request) -> None:
+        """The cache row gets all but the last context token; each step feeds [last, draft...]."""
+        self.drafters[req.slot].reset()
+        ids = req.seq.ids
+        if len(ids) > 1:
+            self.target(torch.tensor([ids[:-1]]), torch.tensor([0]), self.cache, num_logits=0,
+                        rows=torch.tensor([req.slot]))
+        req.seq.stats.prefill_seconds = time.perf_counter() - req.seq.t_start
+
+    def _finish(self, req: Request, events: list[Event]) -> None:
+        for event in events:
+            req.emit(event)
+        with self._cond:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Free the request's slot (caller holds the lock). Its cache row needs no clearing: the next
+        sequence in the slot writes its own keys before any query can see them."""
+        if req.slot is not None and self.active.get(req.slot) is req:
+            del self.active[req.slot]
+            self.free.append(req.slot)
+            self.free.sort()
+        req.slot = None

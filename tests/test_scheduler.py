@@ -1,0 +1,150 @@
+"""The batching scheduler: batched greedy output equals unbatched output, bit for bit, and slots are freed."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from specdecode.builder import build_generator, build_scheduler
+from specdecode.engine import GenerationResult
+from specdecode.errors import InvalidRequestError
+from specdecode.serving.scheduler import QueueFullError
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(64) for _ in range(rnd.randint(1, 300))] for _ in range(n)]
+
+
+def _run_batched(scheduler, requests: list[dict]) -> list[GenerationResult]:
+    """Submit all requests at once, step until every one has its result."""
+    results: list[GenerationResult | None] = [None] * len(requests)
+
+    def emit_to(i):
+        def emit(event):
+            if isinstance(event, Exception):
+                raise event
+            if isinstance(event, GenerationResult):
+                results[i] = event
+        return emit
+
+    for i, r in enumerate(requests):
+        scheduler.submit(scheduler.gen.prepare(**r), emit_to(i))
+    while scheduler.active or scheduler.waiting:
+        scheduler.step()
+    return results
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+def test_batched_greedy_equals_unbatched_bit_for_bit(tiny_pair, drafter):
+    target, draft = tiny_pair
+    single = build_generator(target, draft=draft, drafter=drafter)
+    scheduler = build_scheduler(target, draft=draft, drafter=drafter, max_batch=5)
+    # 12 requests through 5 slots: ragged lengths, cache lengths across attention blocks, slots reused
+    requests = [dict(prompt=p, max_new_tokens=random.Random(i).randint(1, 60)) for i, p in enumerate(_prompts(12))]
+    batched = _run_batched(scheduler, requests)
+    for r, b in zip(requests, batched):
+        alone = single.generate(**r)
+        assert b.token_ids == alone.token_ids
+        assert b.finish_reason == alone.finish_reason
+    assert scheduler.steps < sum(b.stats.target_forward_passes for b in batched)  # it did batch
+    assert not scheduler.active and sorted(scheduler.free) == list(range(5))
+
+
+def test_batched_logits_equal_a_lone_sequence(tiny_pair):
+    """Per op, end to end: a sequence's logits do not depend on the other rows of the batch or their cache lengths."""
+    target, _ = tiny_pair
+    model = target.model
+    model.enable_batching(8)
+    W = model.decode_width
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 255, 256, 257, 300, 511, 40, 130]  # cache lengths around the attention's block boundaries
+    cache = model.new_cache(8, 600)
+    alone_cache = model.new_cache(1, 600)
+    ids = [torch.randint(0, 64, (1, n + W), generator=g) for n in lengths]
+    for b, x in enumerate(ids):
+        model(x[:, :lengths[b]], torch.tensor([0]), cache, rows=torch.tensor([b]))
+    for k in range(1, W + 1):  # a step of k real tokens per sequence
+        batched = model(torch.cat([x[:, n:n + k] for x, n in zip(ids, lengths)]), torch.tensor(lengths), cache)
+        for b, (x, n) in enumerate(zip(ids, lengths)):
+            model(x[:, :n], torch.tensor([0]), alone_cache)
+            alone = model(x[:, n:n + k], torch.tensor([n]), alone_cache)
+            assert torch.equal(batched[b], alone[0]), (k, b)
+        # a subset of rows, in another order
+        subset = [6, 1, 3]
+        part = model(torch.cat([ids[b][:, lengths[b]:lengths[b] + k] for b in subset]),
+                     torch.tensor([lengths[b] for b in subset]), cache, rows=torch.tensor(subset))
+        for j, b in enumerate(subset):
+            assert torch.equal(part[j], batched[b])
+
+
+def test_a_non_invariant_linear_breaks_the_batched_check(tiny_pair, monkeypatch):
+    """Test of the test: a linear whose rows depend on the batch makes the comparison above fail."""
+    target, _ = tiny_pair
+    model = target.model
+    from specdecode.models import linear
+
+    def batch_dependent(self, x):  # rounding that depends on how many rows share the call
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        return y + 1e-6 * x.reshape(-1, x.shape[-1]).shape[0]
+
+    monkeypatch.setattr(linear.DenseLinear, "forward", batch_dependent)
+    cache, alone_cache = model.new_cache(2, 300), model.new_cache(1, 300)
+    x = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(0))
+    batched = model(x, torch.tensor([0, 0]), cache)
+    alone = model(x[:1], torch.tensor([0]), alone_cache)
+    assert not torch.equal(batched[0], alone[0])
+
+
+def test_cancelled_requests_free_their_slots(tiny_pair):
+    target, draft = tiny_pair
+    scheduler = build_scheduler(target, draft=draft, drafter="model", max_batch=2, max_queue=1)
+    seen = []
+    reqs = [scheduler.submit(scheduler.gen.prepare([1, 2, 3], max_new_tokens=50), seen.append) for _ in range(3)]
+    with pytest.raises(QueueFullError):  # 2 free slots + 1 waiting place are taken
+        scheduler.submit(scheduler.gen.prepare([1, 2, 3], max_new_tokens=5), seen.append)
+    scheduler.step()
+    assert scheduler.running == 2 and scheduler.queued == 1
+    scheduler.cancel(reqs[0])
+    scheduler.cancel(reqs[2])  # still waiting: never admitted
+    scheduler.step()
+    assert scheduler.running == 1 and scheduler.queued == 0
+    scheduler.cancel(reqs[1])
+    scheduler.step()
+    assert scheduler.running == 0 and sorted(scheduler.free) == [0, 1]
+    assert not any(isinstance(e, GenerationResult) for e in seen)
+
+
+def test_background_thread_serves_concurrent_submissions(tiny_pair):
+    target, draft = tiny_pair
+    scheduler = build_scheduler(target, draft=draft, drafter="ngram", max_batch=3)
+    scheduler.start()
+    done = threading.Semaphore(0)
+    results = {}
+
+    def emit_to(i):
+        def emit(event):
+            if isinstance(event, GenerationResult):
+                results[i] = event.token_ids
+                done.release()
+        return emit
+
+    try:
+        prompts = _prompts(6, seed=1)
+        for i, p in enumerate(prompts):
+            scheduler.submit(scheduler.gen.prepare(p, max_new_tokens=20), emit_to(i))
+        for _ in prompts:
+            assert done.acquire(timeout=60)
+    finally:
+        scheduler.stop()
+    single = build_generator(target, drafter="ngram")
+    assert [results[i] for i in range(6)] == [single.generate(p, max_new_tokens=20).token_ids for p in prompts]
+
+
+def test_bad_scheduler_arguments(tiny_pair):
+    target, _ = tiny_pair
+    with pytest.raises(InvalidRequestError):
+        build_scheduler(target, drafter="ngram", max_batch=0)
