@@ -245,12 +245,12 @@ def test_caches_after_rejections_equal_a_fresh_forward(tiny_pair):
     assert result.stats.accepted_tokens < result.stats.drafted_tokens  # there were rejections
     ids = [5, 9, 13, 5, 9] + result.token_ids
     for model, cache, n in [(target.model, gen.cache, len(ids) - 1),
-                            (draft.model, drafter.cache, len(drafter.cached))]:
+                            (draft.model, drafter.cache, len(drafter.cached[0]))]:
         fresh = model.new_cache(1, 256)
         model(torch.tensor([ids[:n]]), torch.tensor([0]), fresh, num_logits=0)
         torch.testing.assert_close(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=1e-5, rtol=0)
         torch.testing.assert_close(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-5, rtol=0)
-    assert drafter.cached == ids[:len(drafter.cached)]
+    assert drafter.cached[0] == ids[:len(drafter.cached[0])]
 
 
 def test_bad_requests_get_clear_errors(tiny_pair):

@@ -11,6 +11,7 @@ import torch
 from specdecode.builder import build_generator, build_scheduler
 from specdecode.engine import GenerationResult
 from specdecode.errors import InvalidRequestError
+from specdecode.models.linear import DenseLinear
 from specdecode.serving.scheduler import QueueFullError
 
 
@@ -38,7 +39,7 @@ def _run_batched(scheduler, requests: list[dict]) -> list[GenerationResult]:
     return results
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid", "none"])
 def test_batched_greedy_equals_unbatched_bit_for_bit(tiny_pair, drafter):
     target, draft = tiny_pair
     single = build_generator(target, draft=draft, drafter=drafter)
@@ -54,12 +55,49 @@ def test_batched_greedy_equals_unbatched_bit_for_bit(tiny_pair, drafter):
     assert not scheduler.active and sorted(scheduler.free) == list(range(5))
 
 
-def test_batched_logits_equal_a_lone_sequence(tiny_pair):
-    """Per op, end to end: a sequence's logits do not depend on the other rows of the batch or their cache lengths."""
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_batched_gumbel_sampling_equals_plain_seeded_decoding(tiny_pair, drafter):
+    """Seeded Gumbel-coupled requests give the same tokens batched, with any drafter, as plain decoding alone."""
+    target, draft = tiny_pair
+    plain = build_generator(target, drafter="none")
+    scheduler = build_scheduler(target, draft=draft, drafter=drafter, max_batch=4)
+    requests = [dict(prompt=p, max_new_tokens=30, temperature=0.8, top_p=0.9, seed=i, coupling="gumbel")
+                for i, p in enumerate(_prompts(10, seed=2))]
+    batched = _run_batched(scheduler, requests)
+    assert [b.token_ids for b in batched] == [plain.generate(**r).token_ids for r in requests]
+    assert sum(b.stats.accepted_tokens for b in batched) > 0
+
+
+def test_batched_drafting_keeps_each_rows_cache_right(tiny_pair):
+    """After batched drafting with rejections and slot reuse, each draft cache row holds what a fresh
+    forward of its cached ids writes."""
+    target, draft = tiny_pair
+    scheduler = build_scheduler(target, draft=draft, drafter="model", max_batch=3)
+    _run_batched(scheduler, [dict(prompt=p, max_new_tokens=25) for p in _prompts(5, seed=4)])
+    drafter = scheduler.drafter
+    assert any(drafter.cached)
+    for row, ids in enumerate(drafter.cached):
+        if not ids:
+            continue
+        fresh = draft.model.new_cache(1, 512)
+        draft.model(torch.tensor([ids]), torch.tensor([0]), fresh, num_logits=0)
+        n = len(ids)
+        torch.testing.assert_close(drafter.cache.k[:, row, :, :n], fresh.k[:, 0, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(drafter.cache.v[:, row, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3], ids=["measured", "1 sequence per matmul", "3 per matmul"])
+def test_batched_logits_equal_a_lone_sequence(tiny_pair, chunk, monkeypatch):
+    """Per op, end to end: a sequence's logits do not depend on the other rows of the batch or their cache lengths
+    (with the linears' row chunks as measured on this CPU, and forced smaller than the batch)."""
     target, _ = tiny_pair
     model = target.model
     model.enable_batching(8)
     W = model.decode_width
+    if chunk is not None:
+        for lin in model.modules():
+            if isinstance(lin, DenseLinear):
+                monkeypatch.setattr(lin, "max_rows", chunk * W)
     g = torch.Generator().manual_seed(3)
     lengths = [5, 255, 256, 257, 300, 511, 40, 130]  # cache lengths around the attention's block boundaries
     cache = model.new_cache(8, 600)

@@ -28,7 +28,8 @@ def load_target(target: str, *, dtype: str = "float32", device: str = "cpu", bit
 
 
 def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,
-                 adaptive: bool = False, max_context: int | None = None) -> Drafter:
+                 adaptive: bool = False, max_context: int | None = None, batch: int = 1) -> Drafter:
+    """batch: how many sequences it drafts for at once (the server's --max-batch)."""
     if kind == "none":
         return NoDrafter()
     if kind == "ngram":
@@ -39,7 +40,8 @@ def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, g
         check_same_tokenizer(target.tokenizer, draft.tokenizer)
         model = ModelDrafter(draft.model, target.model.config.vocab_size,
                              max_context or target.model.config.max_position_embeddings,
-                             min_confidence=DRAFT_MIN_CONFIDENCE if adaptive or kind == "hybrid" else 0.0)
+                             min_confidence=DRAFT_MIN_CONFIDENCE if adaptive or kind == "hybrid" else 0.0,
+                             batch=batch)
         return model if kind == "model" else HybridDrafter(model, gamma)
     raise InvalidRequestError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
 
@@ -51,24 +53,20 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
 
     gamma: the draft model's draft length (default 4); lookup drafts (ngram, hybrid) go up to the verify
     width by default, since in bit-exact mode every step runs the full width anyway."""
-    generator, _ = _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context)
-    return generator
+    return _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context)
 
 
 def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue: int = 64,
                     on_step: Callable[[int], None] | None = None, **generator_args) -> Scheduler:
-    """A continuous-batching scheduler for the server: one drafter per batch slot, sharing the draft model."""
+    """A continuous-batching scheduler for the server: its drafter keeps one row per batch slot."""
     if max_batch < 1 or max_queue < 0:
         raise InvalidRequestError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
-    generator, new_drafter = _assemble(target, **generator_args)
-    drafters = [generator.drafter] + [new_drafter() for _ in range(max_batch - 1)]
-    return Scheduler(generator, drafters, max_queue=max_queue, on_step=on_step)
+    return Scheduler(_assemble(target, **generator_args, batch=max_batch), max_batch, max_queue, on_step)
 
 
 def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
               gamma: int | None = None, adaptive: bool = False, dtype: str = "float32", device: str = "cpu",
-              bit_exact: bool = True, max_context: int | None = None
-              ) -> tuple[SpeculativeGenerator, Callable[[], Drafter]]:
+              bit_exact: bool = True, max_context: int | None = None, batch: int = 1) -> SpeculativeGenerator:
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if adaptive and drafter != "model":
@@ -85,8 +83,6 @@ def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None,
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype, device=device)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-
-    def new_drafter() -> Drafter:
-        return make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive, max_context=max_context)
-
-    return SpeculativeGenerator(tgt.model, new_drafter(), tgt.tokenizer, schedule, max_context), new_drafter
+    drafting = make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive, max_context=max_context,
+                            batch=batch)
+    return SpeculativeGenerator(tgt.model, drafting, tgt.tokenizer, schedule, max_context)

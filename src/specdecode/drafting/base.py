@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -16,17 +15,33 @@ class Draft:
     probs: torch.Tensor | None  # [g, V_target] q each token was sampled from; None = deterministic (point mass)
 
 
-class Drafter(Protocol):
-    """Drafters see the whole committed context on every call and keep whatever state they like.
+@dataclass
+class DraftRequest:
+    """One sequence's turn in a batched drafting call."""
+
+    row: int  # the sequence's row in the batch (the server's slot; 0 for a lone sequence): per-row state lives here
+    context: list[int]  # every committed token
+    gamma: int
+    params: SamplingParams
+    generator: torch.Generator
+
+
+class Drafter:
+    """Drafters see the whole committed context on every call and keep whatever per-row state they like.
 
     A drafter with a KV cache rolls it back itself by comparing the context with what it cached
-    (the context only ever diverges from its last proposal after the accepted prefix).
+    (the context only ever diverges from its last proposal after the accepted prefix). Stateless
+    drafters implement `propose`; drafters that gain from batching implement `propose_batch`.
     """
 
     name: str
 
-    def propose(self, context: list[int], gamma: int, params: SamplingParams,
-                generator: torch.Generator) -> Draft: ...
+    def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        return self.propose_batch([DraftRequest(0, context, gamma, params, generator)])[0]
 
-    def reset(self) -> None:
-        """Forget all per-request state (a new request starts)."""
+    def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Drafts for several sequences at once (the server's engine step), in the order of `requests`."""
+        return [self.propose(r.context, r.gamma, r.params, r.generator) for r in requests]
+
+    def reset(self, row: int = 0) -> None:
+        """Forget the per-request state of a row (a new request starts there)."""

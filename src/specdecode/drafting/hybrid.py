@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
-from specdecode.drafting.base import Draft
+from specdecode.drafting.base import Draft, Drafter, DraftRequest
 from specdecode.drafting.model import ModelDrafter
 from specdecode.drafting.ngram import NgramDrafter
-from specdecode.verification.sampling import SamplingParams
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """Each step: a lookup hit of at least `min_ngram` tokens proposes up to gamma copied tokens; otherwise
     the draft model proposes up to `model_gamma`. The choice depends only on the context, so it is lossless."""
 
@@ -20,11 +19,11 @@ class HybridDrafter:
         self.lookup = NgramDrafter(max_ngram=3, min_ngram=min_ngram)
         self.model, self.model_gamma = model, model_gamma
 
-    def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
-        draft = self.lookup.propose(context, gamma, params, generator)
-        if draft.tokens:
-            return draft
-        return self.model.propose(context, min(gamma, self.model_gamma), params, generator)
+    def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = {r.row: self.lookup.propose(r.context, r.gamma, r.params, r.generator) for r in requests}
+        misses = [replace(r, gamma=min(r.gamma, self.model_gamma)) for r in requests if not drafts[r.row].tokens]
+        drafts.update(zip((r.row for r in misses), self.model.propose_batch(misses)))
+        return [drafts[r.row] for r in requests]
 
-    def reset(self) -> None:
-        self.model.reset()
+    def reset(self, row: int = 0) -> None:
+        self.model.reset(row)

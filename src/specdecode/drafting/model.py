@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafting.base import Draft
+from specdecode.drafting.base import Draft, Drafter, DraftRequest
 from specdecode.errors import ModelLoadError
 from specdecode.models.decoder import Transformer
 from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.sampling import SamplingParams, processed_probs, sample
+
+
+MAX_SHARED_FEED = 16  # longer feeds (a new prompt) are prefilled row by row, not padded into the shared forward
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -23,58 +26,87 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
             "a draft model must use the same tokenizer as the target")
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
+    """Drafts autoregressively, one cache row per sequence; a batch of sequences drafts in shared forwards
+    (one [rows, 1] forward per draft position), so drafting for 8 sequences costs about as much as for one."""
+
     name = "model"
 
-    def __init__(self, model: Transformer, target_vocab: int, max_len: int, min_confidence: float = 0.0) -> None:
+    def __init__(self, model: Transformer, target_vocab: int, max_len: int, min_confidence: float = 0.0,
+                 batch: int = 1) -> None:
         self.model, self.target_vocab, self.max_len = model, target_vocab, max_len
         self.min_confidence = min_confidence  # stop drafting after a token the draft itself doubts
-        self.cache = model.new_cache(1, max_len)  # reused across requests: stale slots are never visible
-        self.cached: list[int] = []  # ids whose keys/values are in the cache, in order
+        # reused across requests (stale slots are never visible); slack for the padding of a shared catch-up forward
+        self.cache = model.new_cache(batch, max_len + MAX_SHARED_FEED)
+        self.cached: list[list[int]] = [[] for _ in range(batch)]  # per row: ids whose keys/values are cached
 
-    def reset(self) -> None:
-        self.cached = []
+    def reset(self, row: int = 0) -> None:
+        self.cached[row] = []
 
-    def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
-        self._rollback_to_common_prefix(context)
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        feed = context[len(self.cached):]  # at least the last context token
-        for _ in range(gamma):
-            if len(self.cached) + len(feed) >= self.max_len:
-                break
-            logits = self._forward(feed)  # [V_target]
-            if params.greedy:
-                tok = int(logits.argmax())
-                confidence = float(torch.softmax(logits, -1)[tok]) if self.min_confidence else 1.0
-            else:
-                q = processed_probs(logits, params)
-                if params.gumbel:  # the noise the target will use here; verification needs no q
-                    noise = gumbel_noise(params.seed, [len(context) + len(tokens)], len(q))
-                    tok = int(noisy_scores(q, noise).argmax())
-                else:
-                    tok = sample(q, generator)
-                    qs.append(q)
-                confidence = float(q[tok])
-            tokens.append(tok)
-            feed = [tok]
-            if confidence < self.min_confidence:
-                break
-        return Draft(tokens, torch.stack(qs) if qs else None)  # None: greedy or Gumbel-coupled
+    def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        feeds: dict[int, list[int]] = {}  # row -> tokens not yet in its cache (at least the last context token)
+        for r in requests:
+            feed = r.context[self._rollback_to_common_prefix(r.row, r.context):]
+            if len(feed) > MAX_SHARED_FEED:  # a new prompt: prefill it alone, leave the last token to the batch
+                self._forward([r.row], [feed[:-1]], logits=False)
+                feed = feed[-1:]
+            feeds[r.row] = feed
+        tokens: dict[int, list[int]] = {r.row: [] for r in requests}
+        qs: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests}
+        live = [r for r in requests if r.gamma > 0]
+        while live := [r for r in live if len(self.cached[r.row]) + len(feeds[r.row]) < self.max_len]:
+            logits = self._forward([r.row for r in live], [feeds[r.row] for r in live])  # [B', V_target]
+            still = []
+            for r, row_logits in zip(live, logits):
+                tok, q, confidence = self._choose(row_logits, r, position=len(r.context) + len(tokens[r.row]))
+                tokens[r.row].append(tok)
+                if q is not None:
+                    qs[r.row].append(q)
+                feeds[r.row] = [tok]
+                if len(tokens[r.row]) < r.gamma and confidence >= self.min_confidence:
+                    still.append(r)
+            live = still
+        return [Draft(tokens[r.row], torch.stack(qs[r.row]) if qs[r.row] else None)  # None: greedy or Gumbel
+                for r in requests]
 
-    def _forward(self, feed: list[int]) -> torch.Tensor:
-        start = torch.tensor([len(self.cached)])
-        logits = self.model(torch.tensor([feed]), start, self.cache, num_logits=1)[0, -1]
-        self.cached.extend(feed)
+    def _choose(self, logits: torch.Tensor, r: DraftRequest, position: int) -> tuple[int, torch.Tensor | None, float]:
+        """The draft token at `position`, the q it was sampled from (None if verification needs none), its probability."""
+        if r.params.greedy:
+            tok = int(logits.argmax())
+            return tok, None, float(torch.softmax(logits, -1)[tok]) if self.min_confidence else 1.0
+        q = processed_probs(logits, r.params)
+        if r.params.gumbel:  # the noise the target will use here; verification needs no q
+            tok = int(noisy_scores(q, gumbel_noise(r.params.seed, [position], len(q))).argmax())
+            return tok, None, float(q[tok])
+        tok = sample(q, r.generator)
+        return tok, q, float(q[tok])
+
+    def _forward(self, rows: list[int], feeds: list[list[int]], logits: bool = True) -> torch.Tensor | None:
+        """Feed each row its tokens (padded to the longest); the logits after each row's last real token,
+        on the target's vocabulary: [len(rows), V_target]."""
+        width = max(len(f) for f in feeds)
+        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds])
+        start = torch.tensor([len(self.cached[row]) for row in rows])
+        index = None if rows == list(range(len(rows))) else torch.tensor(rows)
+        n = width - min(len(f) for f in feeds) + 1 if logits else 0  # the lm_head runs on the last n positions only
+        out = self.model(tokens, start, self.cache, rows=index, num_logits=n)  # [B', n, V_draft]
+        for row, f in zip(rows, feeds):
+            self.cached[row].extend(f)
+        if not logits:
+            return None
+        last = out[torch.arange(len(rows)), torch.tensor([len(f) - 1 - (width - n) for f in feeds])]  # [B', V_draft]
         # q lives on the target's vocabulary: drop the draft's padding rows, zero-pad to the target's size
-        v = min(logits.shape[-1], self.target_vocab)
-        out = torch.full((self.target_vocab,), float("-inf"))
-        out[:v] = logits[:v]
-        return out
+        v = min(last.shape[-1], self.target_vocab)
+        padded = torch.full((len(rows), self.target_vocab), float("-inf"))
+        padded[:, :v] = last[:, :v]
+        return padded
 
-    def _rollback_to_common_prefix(self, context: list[int]) -> None:
-        n = min(len(self.cached), len(context) - 1)  # always re-feed at least the last token
+    def _rollback_to_common_prefix(self, row: int, context: list[int]) -> int:
+        """Drop cached ids after the first difference from the context; returns the cached length."""
+        cached = self.cached[row]
+        n = min(len(cached), len(context) - 1)  # always re-feed at least the last token
         i = 0
-        while i < n and self.cached[i] == context[i]:
+        while i < n and cached[i] == context[i]:
             i += 1
-        del self.cached[i:]  # O(1) for the cache itself: its length is len(self.cached)
+        del cached[i:]  # O(1) for the cache itself: a row's length is len(self.cached[row])
+        return i

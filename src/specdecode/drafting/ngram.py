@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafting.base import Draft
+from specdecode.drafting.base import Draft, Drafter
 from specdecode.errors import InvalidRequestError
 from specdecode.verification.sampling import SamplingParams
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
@@ -26,6 +26,3 @@ class NgramDrafter:
                 follow = int(hits[-1]) + n  # most recent match; propose what followed it
                 return Draft(context[follow:follow + gamma], None)
         return Draft([], None)
-
-    def reset(self) -> None:
-        pass

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafting.base import Draft
+from specdecode.drafting.base import Draft, Drafter
 from specdecode.verification.sampling import SamplingParams
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     name = "none"
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         return Draft([], None)
-
-    def reset(self) -> None:
-        pass

@@ -2,7 +2,7 @@
 
 Sequences occupy rows ("slots") of one preallocated KV cache. A step:
   1. drops cancelled requests and admits waiting ones into free slots (prefill, one at a time);
-  2. asks each sequence's own drafter for up to its gamma tokens (ragged lengths);
+  2. drafts up to each sequence's gamma tokens, for all sequences in shared draft forwards (ragged lengths);
   3. runs one target forward over [B, 1 + max draft] tokens (shorter drafts padded; padding rows
      write cache slots past their sequence, which no real token ever sees);
   4. verifies each sequence on its own rows, commits, and frees the slots of finished sequences.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.drafting.base import Draft, Drafter
+from specdecode.drafting.base import DraftRequest
 from specdecode.engine import GenerationResult, Sequence, SpeculativeGenerator, TokenEvent
 from specdecode.errors import SpecDecodeError
 from specdecode.verification.verify import verify
@@ -51,12 +51,11 @@ class Request:
 class Scheduler:
     """Serves concurrent requests from one background thread; `submit` and `cancel` are thread-safe."""
 
-    def __init__(self, generator: SpeculativeGenerator, drafters: list[Drafter], max_queue: int = 64,
+    def __init__(self, generator: SpeculativeGenerator, max_batch: int = 8, max_queue: int = 64,
                  on_step: Callable[[int], None] | None = None) -> None:
-        if not drafters:
-            raise ValueError("the scheduler needs one drafter per batch slot")
-        self.gen, self.target, self.drafters = generator, generator.target, drafters
-        self.max_batch, self.max_queue, self.on_step = len(drafters), max_queue, on_step
+        """generator.drafter must keep state for `max_batch` rows (builder.build_scheduler makes it so)."""
+        self.gen, self.target, self.drafter = generator, generator.target, generator.drafter
+        self.max_batch, self.max_queue, self.on_step = max_batch, max_queue, on_step
         # fewest sequences a linear takes per matmul while staying bit-exact on this CPU
         self.invariant_batch = self.target.enable_batching(self.max_batch)
         self.cache = self.target.new_cache(self.max_batch, generator.max_context + generator.gamma.maximum + 1)
@@ -126,12 +125,9 @@ class Scheduler:
         batch = list(self.active.values())
         if not batch:
             return
-        drafts: list[Draft] = []
-        for req in batch:
-            t0 = time.perf_counter()
-            drafts.append(self.drafters[req.slot].propose(req.seq.ids, req.seq.draft_len(), req.seq.params,
-                                                          req.seq.generator))
-            req.seq.stats.draft_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose_batch([DraftRequest(r.slot, r.seq.ids, r.seq.draft_len(), r.seq.params,
+                                                          r.seq.generator) for r in batch])
         t1 = time.perf_counter()
         width = 1 + max(len(d.tokens) for d in drafts)
         tokens = torch.tensor([[r.seq.ids[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
@@ -149,6 +145,7 @@ class Scheduler:
             seq, g = req.seq, len(draft.tokens)
             accepted, nxt = verify(logits[b:b + 1, :g + 1], torch.tensor([draft.tokens], dtype=torch.int64),
                                    draft.probs, seq.params, seq.generator, position=len(seq.ids))
+            seq.stats.draft_seconds += t1 - t0  # each sequence waited for the whole batch's drafting
             seq.stats.verify_seconds += forward_seconds
             for event in seq.commit(draft.tokens, accepted, nxt):
                 req.emit(event)
@@ -177,7 +174,7 @@ class Scheduler:
 
     def _prefill(self, req: Request) -> None:
         """The cache row gets all but the last context token; each step feeds [last, draft...]."""
-        self.drafters[req.slot].reset()
+        self.drafter.reset(req.slot)
         ids = req.seq.ids
         if len(ids) > 1:
             self.target(torch.tensor([ids[:-1]]), torch.tensor([0]), self.cache, num_logits=0,
