@@ -23,8 +23,10 @@ MAX_GAMMA = VERIFY_WIDTH - 1
 DRAFT_MIN_CONFIDENCE = 0.3  # adaptive mode: the draft model stops after a token it gives less than this
 
 
-def load_target(target: str, *, dtype: str = "float32", device: str = "cpu", bit_exact: bool = True) -> LoadedModel:
-    return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None)
+def load_target(target: str, *, dtype: str = "float32", device: str = "cpu", bit_exact: bool = True,
+                quant: str = "none") -> LoadedModel:
+    return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None,
+                      quant=quant)
 
 
 def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,
@@ -48,12 +50,14 @@ def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, g
 
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
                     gamma: int | None = None, adaptive: bool = False, dtype: str = "float32",
-                    device: str = "cpu", bit_exact: bool = True, max_context: int | None = None) -> SpeculativeGenerator:
+                    device: str = "cpu", bit_exact: bool = True, max_context: int | None = None,
+                    quant: str = "none", draft_quant: str | None = None) -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule.
 
     gamma: the draft model's draft length (default 4); lookup drafts (ngram, hybrid) go up to the verify
-    width by default, since in bit-exact mode every step runs the full width anyway."""
-    return _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context)
+    width by default, since in bit-exact mode every step runs the full width anyway. quant / draft_quant:
+    weight-only quantization of the target / the draft when they are loaded here (draft_quant defaults to quant)."""
+    return _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context, quant, draft_quant)
 
 
 def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue: int = 64,
@@ -66,7 +70,8 @@ def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue:
 
 def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
               gamma: int | None = None, adaptive: bool = False, dtype: str = "float32", device: str = "cpu",
-              bit_exact: bool = True, max_context: int | None = None, batch: int = 1) -> SpeculativeGenerator:
+              bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
+              draft_quant: str | None = None, batch: int = 1) -> SpeculativeGenerator:
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if adaptive and drafter != "model":
@@ -77,11 +82,12 @@ def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None,
     schedule = GammaSchedule(MAX_GAMMA if drafter == "hybrid" or (drafter == "ngram" and gamma is None)
                              else model_gamma, adaptive, maximum=MAX_GAMMA)
     tgt = target if isinstance(target, LoadedModel) else load_target(target, dtype=dtype, device=device,
-                                                                     bit_exact=bit_exact)
+                                                                     bit_exact=bit_exact, quant=quant)
     dft = None
     if drafter in WITH_DRAFT_MODEL:
         draft = draft or DEFAULT_DRAFT
-        dft = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype, device=device)
+        dft = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype, device=device,
+                                                                      quant=draft_quant or quant)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     drafting = make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive, max_context=max_context,
                             batch=batch)

@@ -22,10 +22,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"draft tokens per step, 1..8 (default: {DEFAULT_GAMMA} for the draft model, 8 for ngram/hybrid lookups)")
     g.add_argument("--adaptive", action="store_true", help="adapt the draft length to the acceptance")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    _add_quant_args(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-bit-exact", dest="bit_exact", action="store_false",
                    help="let forwards of different widths take different kernels (faster plain steps, "
                         "greedy output may then differ from plain decoding at near-ties)")
+
+
+def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default="none", metavar="Q",
+                   help="weight-only quantization of the target and draft linears: none, int8 (per output channel) "
+                        "or int4 (groups of 32; int4-g64 / int4-g128 for other group sizes)")
+    p.add_argument("--draft-quant", default=None, metavar="Q", help="the draft's quantization (default: --quant)")
 
 
 def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
@@ -42,9 +50,9 @@ def _generate(args: argparse.Namespace) -> int:
     from specdecode.verification.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.coupling)  # fail before the slow load
-    target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact, quant=args.quant)
     gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, adaptive=args.adaptive,
-                          dtype=args.dtype, device=args.device)
+                          dtype=args.dtype, device=args.device, quant=args.quant, draft_quant=args.draft_quant)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat, coupling=args.coupling)
     stream = gen.stream(args.prompt, **request)
@@ -137,7 +145,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     scheduler = build_scheduler(args.target, draft=args.draft, drafter=args.drafter, gamma=args.gamma,
                                 adaptive=args.adaptive, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact,
-                                max_context=args.max_context, max_batch=args.max_batch, max_queue=args.max_queue)
+                                max_context=args.max_context, max_batch=args.max_batch, max_queue=args.max_queue,
+                                quant=args.quant, draft_quant=args.draft_quant)
     name = args.served_model_name or Path(args.target).name
     app = create_app(scheduler, name, api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY"))
     print(f"serving {name!r} (drafter {args.drafter}, up to {args.max_batch} sequences per step; linears stay "
@@ -160,6 +169,39 @@ def _bench_serve(args: argparse.Namespace) -> int:
                          progress=lambda line: print(line, file=sys.stderr))
     print(serving_table(rows))
     print(f"written to {args.out}/: serving.json, serving.md")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from specdecode.bench.doctor import diagnose
+    from specdecode.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
+    from specdecode.models.gguf_loader import read_gguf_config
+
+    models = {name: read_gguf_config(cache_dir() / CATALOG[name].filename) for name in (DEFAULT_TARGET, DEFAULT_DRAFT)
+              if (cache_dir() / CATALOG[name].filename).exists()}
+    report = diagnose(tuple(args.shape), models, repeats=args.repeats)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"CPU: {report['cpu']} | flags: {' '.join(report['flags']) or '-'} | torch {report['torch']}, "
+          f"capability {report['capability']}, {report['threads']} threads")
+    print(f"memory bandwidth: {report['bandwidth_gbs']} GB/s")
+    print(f"\nkernels, one {args.shape[0]}x{args.shape[1]} projection, ms for k rows (median of {args.repeats}):")
+    print(f"{'kernel':22s} " + " ".join(f"{k:>6d}" for k in (1, 2, 4, 8, 9, 16)) + "   ms(8)/ms(1)  bit-exact")
+    for k in report["kernels"]:
+        if "error" in k:
+            print(f"{k['name']:22s} unavailable: {k['error']}")
+            continue
+        ms = k["ms_by_k"]
+        print(f"{k['name']:22s} " + " ".join(f"{ms[n]:6.2f}" for n in (1, 2, 4, 8, 9, 16))
+              + f"   {k['flatness_8_over_1']:>11.2f}  {'yes' if k['bit_exact'] else 'no (padded to 9 rows in bit-exact mode)'}")
+    for name, floors in report["floor_ms_per_token"].items():
+        print(f"\nfloor for {name} (weights / bandwidth), ms per token: "
+              + ", ".join(f"{c} {v}" for c, v in floors.items()))
+    c = report["chosen"]
+    print(f"\nchosen: target {c['target']['dtype']} unquantized (quantizing the target changes its outputs; "
+          f"ask for it with --quant), draft {c['draft']['dtype']} {c['draft']['quant']} (the draft's precision never "
+          f"changes the output)")
     return 0
 
 
@@ -252,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--model", default="bench", help="with --url: the model id to send")
     bs.add_argument("--api-key", default=None)
     bs.set_defaults(func=_bench_serve)
+
+    dr = sub.add_parser("doctor", help="CPU, kernels (ms for k rows, bit-exactness), bandwidth, floors, choices")
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
+    dr.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], metavar=("OUT", "IN"),
+                    help="the projection to time (default: the 1.5B's MLP up projection)")
+    dr.add_argument("--repeats", type=int, default=7)
+    dr.set_defaults(func=_doctor)
 
     rb = sub.add_parser("runtime-bench", help="ms per forward of k tokens, load time, RSS; beside transformers")
     rb.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+from jinja2 import TemplateError
 
 from specdecode.drafting.base import Drafter
 from specdecode.errors import InvalidRequestError
@@ -177,7 +178,10 @@ class SpeculativeGenerator:
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as exc:  # e.g. a template that refuses a system message or non-alternating roles
+            raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from exc
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return list(ids)
 

@@ -1,7 +1,8 @@
 """Benchmark methods: one interface over our engine's configurations and the peers (transformers, llama.cpp).
 
-A method is named `kind[:dtype]` (e.g. `plain`, `model:float32`, `hf-plain:bfloat16`); without a dtype
-it runs in the bench's `--dtype`. Every method decodes the same prompt token ids.
+A method is named `kind[:dtype][:quant]` (e.g. `plain`, `model:float32`, `plain:int4`, `hf-plain:bfloat16`);
+without a dtype it runs in the bench's `--dtype`, without a quant unquantized (quant applies to target and
+draft, ours only). Every method decodes the same prompt token ids.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 from specdecode.builder import WITH_DRAFT_MODEL, build_generator, load_target
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
+from specdecode.models.linear import parse_quant
 from specdecode.models.loading import DTYPES, LoadedModel, load_model
 
 OURS = ("plain", "ngram", "model", "adaptive", "hybrid")
@@ -47,19 +49,30 @@ class PeerUnavailable(Exception):
 class MethodSpec:
     kind: str
     dtype: str
+    quant: str = "none"
 
     @classmethod
     def parse(cls, text: str, default_dtype: str) -> MethodSpec:
-        kind, _, dtype = text.partition(":")
+        kind, *options = text.split(":")
         if kind not in OURS + PEERS:
             raise InvalidRequestError(f"unknown method {kind!r}; choose from {', '.join(OURS + PEERS)}")
-        dtype = dtype or default_dtype
-        if dtype not in DTYPES:
-            raise InvalidRequestError(f"unknown dtype {dtype!r} in method {text!r}; choose one of {', '.join(DTYPES)}")
-        return cls(kind, dtype)
+        dtype, quant = default_dtype, "none"
+        for option in options:
+            if option in DTYPES:
+                dtype = option
+            else:
+                try:
+                    parse_quant(option)
+                except InvalidRequestError:
+                    raise InvalidRequestError(f"{option!r} in method {text!r} is neither a dtype "
+                                              f"({', '.join(DTYPES)}) nor a quantization (none, int8, int4)") from None
+                quant = option
+        if quant != "none" and kind not in OURS:
+            raise InvalidRequestError(f"{text!r}: peers run their own weights; quantization applies to our methods")
+        return cls(kind, dtype, quant)
 
     def name(self, default_dtype: str) -> str:
-        return self.kind if self.dtype == default_dtype else f"{self.kind}:{self.dtype}"
+        return ":".join([self.kind] + [self.dtype] * (self.dtype != default_dtype) + [self.quant] * (self.quant != "none"))
 
 
 @dataclass
@@ -81,10 +94,11 @@ class EngineMethod:
 
 
 def parse_methods(names: list[str], default_dtype: str) -> list[MethodSpec]:
-    """Specs in the order given, `plain` (our plain decoding in the default dtype) first: the reference."""
+    """`plain` (our plain decoding in the default dtype) first: the reference; then the other plain methods (each
+    method's output is checked against its own plain one, which must have run), then the rest as given."""
     specs = [MethodSpec.parse(n, default_dtype) for n in names]
     reference = MethodSpec("plain", default_dtype)
-    specs = [reference] + [s for s in specs if s != reference]
+    specs = [reference] + sorted((s for s in specs if s != reference), key=lambda s: s.kind not in PLAIN_KINDS)
     if len(set(specs)) != len(specs):
         raise InvalidRequestError("a method is listed twice")
     return specs
@@ -96,21 +110,22 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
     """Load each (model, dtype) once; peers whose package is missing are skipped with a message."""
     from specdecode.bench import peers
 
-    targets: dict[str, LoadedModel] = {}
-    drafts: dict[str, LoadedModel] = {}
+    targets: dict[tuple[str, str], LoadedModel] = {}  # (dtype, quant) -> model
+    drafts: dict[tuple[str, str], LoadedModel] = {}
     methods: list[Method] = []
     for spec in specs:
         name = spec.name(default_dtype)
         if spec.kind in OURS:
-            if spec.dtype not in targets:
-                targets[spec.dtype] = load_target(target, dtype=spec.dtype, bit_exact=bit_exact)
+            key = (spec.dtype, spec.quant)
+            if key not in targets:
+                targets[key] = load_target(target, dtype=spec.dtype, bit_exact=bit_exact, quant=spec.quant)
             cfg = _OUR_CONFIG[spec.kind]
             dft = None
             if cfg["drafter"] in WITH_DRAFT_MODEL:
-                if spec.dtype not in drafts:
-                    drafts[spec.dtype] = load_model(draft, dtype=spec.dtype)
-                dft = drafts[spec.dtype]
-            gen = build_generator(targets[spec.dtype], draft=dft, gamma=gamma, **cfg)
+                if key not in drafts:
+                    drafts[key] = load_model(draft, dtype=spec.dtype, quant=spec.quant)
+                dft = drafts[key]
+            gen = build_generator(targets[key], draft=dft, gamma=gamma, **cfg)
             methods.append(EngineMethod(name, gen, coupling))
         else:
             try:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import DenseLinear, invariant_rows
+from specdecode.models.linear import Linear, invariant_rows, make_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 
@@ -82,8 +82,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Block(nn.Module):
     """One decoder layer: pre-norm attention with grouped-query heads, then pre-norm SwiGLU."""
 
-    def __init__(self, cfg: ModelConfig, qkv: DenseLinear, o: DenseLinear, gate_up: DenseLinear,
-                 down: DenseLinear, attn_norm: torch.Tensor, mlp_norm: torch.Tensor) -> None:
+    def __init__(self, cfg: ModelConfig, qkv: Linear, o: Linear, gate_up: Linear,
+                 down: Linear, attn_norm: torch.Tensor, mlp_norm: torch.Tensor) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
@@ -147,7 +147,7 @@ class Transformer(nn.Module):
     """The decoder stack plus embeddings and lm_head. Build it with `Transformer.from_state_dict`."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, blocks: list[Block], norm: torch.Tensor,
-                 lm_head: DenseLinear, decode_width: int | None = None) -> None:
+                 lm_head: Linear, decode_width: int | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed = nn.Parameter(embed, requires_grad=False)
@@ -155,6 +155,7 @@ class Transformer(nn.Module):
         self.norm = nn.Parameter(norm, requires_grad=False)
         self.lm_head = lm_head
         self.decode_width = decode_width
+        self.max_group = 1 << 30  # decode batches larger than this run in groups (enable_batching measures it)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @property
@@ -167,8 +168,18 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", decode_width: int | None = None) -> "Transformer":
-        """Build from Hugging Face parameter names (GGUF loading maps to them too)."""
+                        device: str | torch.device = "cpu", decode_width: int | None = None,
+                        quant: str = "none") -> "Transformer":
+        """Build from Hugging Face parameter names (GGUF loading maps to them too).
+
+        quant: weight-only quantization of every linear of the blocks ("none", "int8", "int4[-gG]"), done
+        layer by layer as the weights are taken. The embedding stays in `dtype` (a lookup reads one row per
+        token); the lm_head gets int8 when the blocks get int4, as llama.cpp keeps its output layer wider.
+        """
+        head_quant = "int8" if quant.startswith("int4") else quant
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, q: str = quant) -> Linear:
+            return make_linear(weight, bias, q)
 
         def take(name: str) -> torch.Tensor:
             if name not in sd:
@@ -185,12 +196,12 @@ class Transformer(nn.Module):
             biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            blocks.append(Block(cfg, DenseLinear(qkv_w, qkv_b), DenseLinear(take(p + "self_attn.o_proj.weight")),
-                                DenseLinear(gate_up), DenseLinear(take(p + "mlp.down_proj.weight")),
+            blocks.append(Block(cfg, linear(qkv_w, qkv_b), linear(take(p + "self_attn.o_proj.weight")),
+                                linear(gate_up), linear(take(p + "mlp.down_proj.weight")),
                                 take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight")))
         embed = take("model.embed_tokens.weight")
         head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in sd else take("lm_head.weight")
-        return cls(cfg, embed, blocks, take("model.norm.weight"), DenseLinear(head), decode_width)
+        return cls(cfg, embed, blocks, take("model.norm.weight"), linear(head, q=head_quant), decode_width)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences of up to `max_len` tokens (default: the model's context)."""
@@ -203,19 +214,18 @@ class Transformer(nn.Module):
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def enable_batching(self, max_batch: int) -> int:
-        """Keep bit-exactness for batches of up to `max_batch` sequences: each linear splits its rows into
-        chunks no larger than this CPU computes row-invariantly (measured once per weight shape).
-        Returns the fewest sequences any linear takes in one matmul (1: no batching gain on linears)."""
+        """Keep bit-exactness for decode batches of up to `max_batch` sequences: a batch runs in groups of as
+        many sequences as every linear of this model computes row-invariantly on this CPU (measured once per
+        kernel and shape, see `invariant_rows`). Returns that group size (1: no batching gain on linears)."""
         if self.decode_width is None:  # no bit-exact promise to keep
             return max_batch
-        linears = [m for m in self.modules() if isinstance(m, DenseLinear)]
         measured: dict[tuple, int] = {}
-        for lin in linears:
-            key = (tuple(lin.weight.shape), lin.weight.dtype)
-            if key not in measured:
-                measured[key] = invariant_rows(lin.weight, self.decode_width, max_batch)
-            lin.max_rows = measured[key] * self.decode_width
-        return min(measured.values(), default=max_batch)
+        for lin in self.modules():
+            key = (type(lin), lin.out_features, lin.in_features, lin.dtype) if isinstance(lin, Linear) else None
+            if key is not None and key not in measured:
+                measured[key] = invariant_rows(lin, self.decode_width, max_batch)
+        self.max_group = min(measured.values(), default=max_batch)
+        return self.max_group
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
@@ -233,6 +243,13 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         W = self.decode_width
+        if W is not None and T <= W and B > self.max_group:  # bit-exact decode batch: groups of invariant size
+            groups = [slice(i, i + self.max_group) for i in range(0, B, self.max_group)]
+            outs = [self.forward(tokens[g], start[g], cache, None if tree_mask is None else tree_mask[g], num_logits,
+                                 return_hidden, torch.arange(B)[g] if rows is None else rows[g]) for g in groups]
+            if return_hidden:
+                return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+            return torch.cat(outs)
         if W is not None and T < W:  # bit-exact: every short forward has exactly W rows
             tokens = torch.cat([tokens, tokens.new_zeros(B, W - T)], dim=1)
             if tree_mask is not None:

@@ -40,6 +40,13 @@ _LAYER_TENSORS = {
 }
 
 
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """Only the config (the file is memory-mapped, no tensor is read)."""
+    path = Path(path)
+    reader = _open(path)
+    return _config(reader, {t.name: t for t in reader.tensors}, path)
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a llama/mistral/qwen2 GGUF file as (config, state dict with Hugging Face parameter names).
 

@@ -1,6 +1,7 @@
-"""The runtime's linear layer: one interface, so quantized kernels can replace the dense one.
+"""The runtime's linear layers: one interface, so quantized kernels replace the dense one without the model knowing.
 
-The model code only calls `layer(x)`; which kernel runs is decided when the weights are loaded.
+The model code only calls `layer(x)`; which kernel runs is decided when the weights are loaded
+(`make_linear`). Subclasses only implement `_matmul(rows) -> [n, out]`; the base adds the bias.
 """
 
 from __future__ import annotations
@@ -8,53 +9,129 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdecode.errors import InvalidRequestError
 
-class DenseLinear(nn.Module):
-    """y = x W^T + b, computed as (W @ x^T)^T, in chunks of at most `max_rows` rows.
+QUANTS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP = 32
 
-    On the CPUs we measured (see shared/CPU.md), `W @ x.T` keeps the cost of k <= 8 rows close to
-    that of one row, while `F.linear` grows with k; for a single row `torch.mv` reads bf16 weights
-    at 1.5x the speed of either (Xeon with AMX, torch 2.13). Up to some number of rows (which
-    depends on the CPU, the dtype and the shape), a row's result does not depend on how many rows
-    share the matmul; bit-exact batched decoding sets `max_rows` below that limit
-    (`invariant_rows`), so a batch of sequences computes each row exactly as a lone sequence would.
-    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+class Linear(nn.Module):
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
+        self.out_features, self.in_features, self.dtype = out_features, in_features, dtype  # dtype: of activations
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.max_rows: int | None = None  # None: one matmul whatever the row count
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] == 1:  # draft steps; never in bit-exact mode, which pads: matrix-vector is 1.5x faster in bf16
-            y = torch.mv(self.weight, rows[0]).unsqueeze(0)
-        elif self.max_rows is None or rows.shape[0] <= self.max_rows:
-            y = (self.weight @ rows.T).T
-        else:
-            y = torch.cat([(self.weight @ chunk.T).T for chunk in rows.split(self.max_rows)])
+        y = self._matmul(x.reshape(-1, shape[-1]))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def invariant_rows(weight: torch.Tensor, width: int, max_multiple: int, seed: int = 0) -> int:
+class DenseLinear(Linear):
+    """y = x W^T + b, computed as (W @ x^T)^T.
+
+    On the CPUs we measured (see shared/CPU.md), `W @ x.T` keeps the cost of k <= 8 rows close to
+    that of one row, while `F.linear` grows with k; for a single row `torch.mv` reads bf16 weights
+    at 1.5x the speed of either (Xeon with AMX, torch 2.13).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], bias, weight.dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] == 1:  # draft steps; never in bit-exact mode, which pads
+            return torch.mv(self.weight, rows[0]).unsqueeze(0)
+        return (self.weight @ rows.T).T
+
+
+class Int8Linear(Linear):
+    """Weight-only int8, symmetric per output channel: W ~ q * scale. `torch._weight_int8pack_mm`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], bias, weight.dtype)
+        w = weight.float()
+        scale = w.abs().amax(1).clamp(min=1e-10) / 127  # [out]
+        self.register_buffer("q", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(weight.dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.q, self.scale)
+
+
+class Int4Linear(Linear):
+    """Weight-only int4, asymmetric in groups of `group` inputs: W ~ q * scale + min, q in 0..15.
+
+    Packed for `torch.ops.aten._weight_int4pack_mm_for_cpu`, which takes bf16 activations and
+    (scale, zero) pairs with zero = min + 8 * scale (it computes (q - 8) * scale + zero).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = DEFAULT_INT4_GROUP) -> None:
+        out_features, in_features = weight.shape
+        if group not in INT4_GROUP_SIZES:
+            raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
+        if in_features % group:
+            raise InvalidRequestError(f"int4 with group size {group} needs a width that is a multiple of it; "
+                                      f"this layer is {in_features} wide")
+        super().__init__(out_features, in_features, bias, weight.dtype)
+        self.group = group
+        w = weight.float().reshape(out_features, in_features // group, group)
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = (hi - lo).clamp(min=1e-10) / 15
+        q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        zero = lo + 8 * scale
+        self.register_buffer("scale_zero", torch.cat([scale, zero], -1).transpose(0, 1).contiguous()
+                             .to(torch.bfloat16))  # [in / group, out, 2]
+
+    def dequantized(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return self._matmul_bf16(eye).T.float()
+
+    def _matmul_bf16(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._matmul_bf16(rows.to(torch.bfloat16)).to(rows.dtype)
+
+
+def parse_quant(quant: str) -> tuple[str, int]:
+    """'none' | 'int8' | 'int4' | 'int4-g64' ... -> (kind, int4 group size)."""
+    kind, _, group = quant.partition("-g")
+    if kind not in QUANTS or (group and (kind != "int4" or not group.isdigit())):
+        raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4 or int4-g32/64/128")
+    return kind, int(group) if group else DEFAULT_INT4_GROUP
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "none") -> Linear:
+    kind, group = parse_quant(quant)
+    if kind == "int8":
+        return Int8Linear(weight, bias)
+    if kind == "int4":
+        return Int4Linear(weight, bias, group)
+    return DenseLinear(weight, bias)
+
+
+def invariant_rows(layer: Linear, width: int, max_multiple: int, seed: int = 0) -> int:
     """The largest m <= max_multiple such that every matmul of n * width rows (n <= m) gives each row
     exactly what a matmul of `width` rows gives it. Measured, since it depends on the CPU's kernels.
 
     A matmul kernel's reduction order depends on the shapes, not on the values, so random rows of the
     layer's own shape and dtype answer for every input.
     """
-    x = torch.randn(width * max_multiple, weight.shape[1], generator=torch.Generator().manual_seed(seed))
-    x = x.to(weight.dtype)
-    alone = torch.cat([(weight @ chunk.T).T for chunk in x.split(width)])
+    x = torch.randn(width * max_multiple, layer.in_features, generator=torch.Generator().manual_seed(seed))
+    x = x.to(layer.dtype)
+    alone = torch.cat([layer._matmul(chunk) for chunk in x.split(width)])
     for n in range(2, max_multiple + 1):
-        if not torch.equal((weight @ x[:n * width].T).T, alone[:n * width]):
+        if not torch.equal(layer._matmul(x[:n * width]), alone[:n * width]):
             return n - 1
     return max_multiple

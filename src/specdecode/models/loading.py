@@ -14,6 +14,7 @@ from specdecode.models.catalog import resolve
 from specdecode.models.decoder import Transformer
 from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer
 from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
+from specdecode.models.linear import parse_quant
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -50,9 +51,11 @@ def parse_device(device: str) -> torch.device:
 
 def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                decode_width: int | None = None, pull_missing: bool = True,
-               with_tokenizer: bool = True) -> LoadedModel:
-    """Load weights and tokenizer. `decode_width` turns on bit-exact fixed-width forwards (see decoder)."""
+               with_tokenizer: bool = True, quant: str = "none") -> LoadedModel:
+    """Load weights and tokenizer. `decode_width` turns on bit-exact fixed-width forwards; `quant` quantizes
+    the linears at load (see decoder and models/linear.py)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    parse_quant(quant)  # a bad value fails before the slow part
     t0 = time.perf_counter()
     path = resolve(str(name_or_path), pull_missing=pull_missing)
     if path.is_dir():
@@ -64,7 +67,8 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     else:
         raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
     try:
-        model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width)
+        model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
+                                            quant=quant)
     except KeyError as e:
         raise ModelLoadError(f"{path}: {e.args[0]}") from e
     return LoadedModel(model.eval(), tokenizer, path, time.perf_counter() - t0)

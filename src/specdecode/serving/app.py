@@ -79,6 +79,9 @@ class _CountRequests:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except Exception:
+            status["code"] = 500  # answered by the server-error handler, outside this middleware
+            raise
         finally:
             path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
             self.metrics.requests.labels(endpoint=path, status=str(status["code"])).inc()
@@ -148,10 +151,10 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
-        try:
-            seq = gen.prepare(prompt, max_new_tokens=max_tokens or gen.max_context, temperature=body.temperature,
-                              top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
-                              coupling=body.coupling)
+        try:  # tokenizing a long prompt off the event loop keeps other streams flowing
+            seq = await asyncio.to_thread(
+                gen.prepare, prompt, max_new_tokens=max_tokens or gen.max_context, temperature=body.temperature,
+                top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop, coupling=body.coupling)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc)) from exc
         if max_tokens is not None and seq.max_new < max_tokens:
@@ -171,13 +174,16 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
             req = scheduler.submit(seq, emit)
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full") from exc
+        def cancel() -> None:  # the client went away: free the slot, count the work done so far
+            scheduler.cancel(req)
+            seq.stats.new_tokens = len(seq.out)
+            metrics.record_generation(seq.stats)
+
         reply = _Reply(kind, model_name, request.url.path, metrics, time.perf_counter())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(reply.stream(events, lambda: scheduler.cancel(req), include_usage),
-                                     media_type="text/event-stream")
-        result = await reply.collect(events, request, lambda: scheduler.cancel(req))
-        return JSONResponse(result)
+            return StreamingResponse(reply.stream(events, cancel, include_usage), media_type="text/event-stream")
+        return JSONResponse(await reply.collect(events, request, cancel))
 
     return app
 
@@ -204,20 +210,32 @@ class _Reply:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def collect(self, events: asyncio.Queue, request: Request, cancel) -> dict:
-        while True:
-            try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    cancel()
-                    raise APIError(499, "the client disconnected") from None
-                continue
-            self._note(event)
-            if isinstance(event, Exception):
-                raise APIError(500, f"generation failed: {type(event).__name__}: {event}")
-            if isinstance(event, GenerationResult):
-                break
-        result = event
+        async def disconnected() -> None:  # polled on a clock: a busy request gets events every step
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+
+        watcher = asyncio.create_task(disconnected())
+        getter, result = None, None
+        try:
+            while result is None:
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    raise APIError(499, "the client disconnected")
+                event = getter.result()
+                self._note(event)
+                if isinstance(event, Exception):
+                    result = event
+                    raise APIError(500, f"generation failed: {type(event).__name__}: {event}")
+                if isinstance(event, GenerationResult):
+                    result = event
+        finally:
+            watcher.cancel()
+            if getter is not None:
+                getter.cancel()
+            if result is None:  # disconnected, or this handler was cancelled
+                cancel()
         if self.kind == "chat.completion":
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "logprobs": None, "finish_reason": result.finish_reason}

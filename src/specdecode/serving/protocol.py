@@ -28,7 +28,7 @@ class _Sampling(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0  # OpenAI's default and range
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0  # extension; 0 = off
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
     n: Literal[1] = 1
     stream: bool = False

@@ -143,11 +143,17 @@ class Scheduler:
             self.on_step(len(batch))
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             seq, g = req.seq, len(draft.tokens)
-            accepted, nxt = verify(logits[b:b + 1, :g + 1], torch.tensor([draft.tokens], dtype=torch.int64),
-                                   draft.probs, seq.params, seq.generator, position=len(seq.ids))
+            try:  # one sequence's failure (e.g. a degenerate distribution) must not fail the others
+                accepted, nxt = verify(logits[b:b + 1, :g + 1], torch.tensor([draft.tokens], dtype=torch.int64),
+                                       draft.probs, seq.params, seq.generator, position=len(seq.ids))
+                events = seq.commit(draft.tokens, accepted, nxt)
+            except Exception as exc:
+                log.exception("verification failed for one sequence")
+                self._finish(req, [exc])
+                continue
             seq.stats.draft_seconds += t1 - t0  # each sequence waited for the whole batch's drafting
             seq.stats.verify_seconds += forward_seconds
-            for event in seq.commit(draft.tokens, accepted, nxt):
+            for event in events:
                 req.emit(event)
             if seq.finish is not None:
                 self._finish(req, seq.close())
@@ -182,10 +188,11 @@ class Scheduler:
         req.seq.stats.prefill_seconds = time.perf_counter() - req.seq.t_start
 
     def _finish(self, req: Request, events: list[Event]) -> None:
-        for event in events:
-            req.emit(event)
+        """Free the slot first (a client that resubmits at once finds it free), then deliver the last events."""
         with self._cond:
             self._release(req)
+        for event in events:
+            req.emit(event)
 
     def _release(self, req: Request) -> None:
         """Free the request's slot (caller holds the lock). Its cache row needs no clearing: the next

@@ -33,6 +33,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -55,7 +57,8 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """Probabilities after temperature, top-k and top-p, row by row. logits: [..., V] -> [..., V] float32."""
     if params.greedy:
         raise ValueError("greedy decoding uses argmax, not probabilities")
-    x = logits.float() / params.temperature
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / params.temperature  # <= 0: a tiny temperature gives -inf, never inf - inf
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -1,0 +1,115 @@
+"""`specdecode doctor`: what this CPU offers, how fast each linear kernel is here, and whether it is bit-exact.
+
+The CPUs we run on differ (AVX2-only Zen 3, AVX-512 Zen 5, AMX Xeons) and so does the fastest kernel
+(shared/CPU.md). The doctor measures instead of guessing: ms for k = 1..16 rows through one projection
+per (dtype, quant), the invariance of each kernel, memory bandwidth and the resulting floor per model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.bench.runtime import cpu_name
+from specdecode.models.config import ModelConfig
+from specdecode.models.linear import Linear, make_linear
+
+FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
+           ("float32", "int8")]
+KS = tuple(range(1, 17))
+BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32}  # + scales (and zeros)
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in FLAGS_OF_INTEREST if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def memory_bandwidth_gbs(gigabytes: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth of a sum over a buffer far larger than any cache (best of `repeats`)."""
+    a = torch.ones(int(gigabytes * 2**30) // 4)
+    a.sum()
+    best = min(_timed(a.sum) for _ in range(repeats))
+    return a.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def kernel_curve(layer: Linear, ks=KS, repeats: int = 7) -> dict[int, float]:
+    """Median ms of one matmul of k rows, for each k. The weights (tens of MB) stream from memory as in decoding."""
+    x = torch.randn(max(ks), layer.in_features).to(layer.dtype)
+    out = {}
+    for k in ks:
+        rows = x[:k]
+        layer._matmul(rows)
+        out[k] = round(statistics.median(_timed(lambda: layer._matmul(rows)) for _ in range(repeats)) * 1e3, 3)
+    return out
+
+
+def row_invariant(layer: Linear, ks=KS) -> bool:
+    """Row t of a k-row matmul equals the 1-row result, for every k and t (torch.equal)."""
+    x = torch.randn(max(ks), layer.in_features, generator=torch.Generator().manual_seed(0)).to(layer.dtype)
+    one = [layer._matmul(x[t:t + 1])[0] for t in range(max(ks))]
+    return all(torch.equal(layer._matmul(x[:k])[t], one[t]) for k in ks for t in range(k))
+
+
+def linear_weights(cfg: ModelConfig) -> tuple[int, int]:
+    """(weights of the blocks' linears, weights of the lm_head): what one decode step reads."""
+    d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    per_layer = d * (cfg.num_heads * cfg.head_dim) + 2 * d * kv + cfg.num_heads * cfg.head_dim * d \
+        + 3 * d * cfg.intermediate_size
+    return cfg.num_layers * per_layer, cfg.vocab_size * d
+
+
+def floor_ms(cfg: ModelConfig, dtype: str, quant: str, bandwidth_gbs: float) -> float:
+    """ms per token if decoding only streamed the weights at the measured bandwidth."""
+    blocks, head = linear_weights(cfg)
+    dense = 4.0 if dtype == "float32" else 2.0
+    per = BYTES_PER_WEIGHT[quant] or dense
+    head_per = BYTES_PER_WEIGHT["int8"] if quant == "int4" else per  # int4 blocks keep an int8 lm_head
+    return (blocks * per + head * head_per) / (bandwidth_gbs * 1e9) * 1e3
+
+
+def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfig] | None = None,
+             repeats: int = 7) -> dict:
+    """Everything `specdecode doctor` prints, as one JSON-able dict."""
+    g = torch.Generator().manual_seed(0)
+    kernels = []
+    for dtype, quant in CONFIGS:
+        weight = (torch.randn(shape, generator=g) * 0.02).to(getattr(torch, dtype))
+        try:
+            layer = make_linear(weight, None, quant)
+            curve = kernel_curve(layer, repeats=repeats)
+        except (RuntimeError, NotImplementedError) as exc:  # a kernel this torch build or CPU lacks
+            kernels.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
+            continue
+        kernels.append({"name": f"{type(layer).__name__}/{dtype}", "dtype": dtype, "quant": quant,
+                        "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
+                        "bit_exact": row_invariant(layer)})
+    bandwidth = memory_bandwidth_gbs()
+    floors = {name: {f"{d}/{q}": round(floor_ms(cfg, d, q, bandwidth), 1) for d, q in CONFIGS}
+              for name, cfg in (models or {}).items()}
+    usable = [k for k in kernels if "ms_by_k" in k]
+    # the verify width of bit-exact mode is 9 rows: rank kernels by the cost of a verify step
+    fastest = min(usable, key=lambda k: k["ms_by_k"][9])
+    fastest_lossless = min((k for k in usable if k["quant"] == "none"), key=lambda k: k["ms_by_k"][9])
+    return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "projection": list(shape), "kernels": kernels, "bandwidth_gbs": round(bandwidth, 1),
+            "floor_ms_per_token": floors,
+            "chosen": {"target": {"dtype": fastest_lossless["dtype"], "quant": "none"},
+                       "draft": {"dtype": fastest["dtype"], "quant": fastest["quant"]}}}
