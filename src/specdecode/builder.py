@@ -12,7 +12,7 @@ from specdecode.drafting.none import NoDrafter
 from specdecode.engine import DEFAULT_MAX_CONTEXT, GammaSchedule, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.catalog import DEFAULT_DRAFT
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.loading import LoadedModel, load_model, parse_dtype
 from specdecode.serving.scheduler import Scheduler
 
 DRAFTERS = ("model", "ngram", "hybrid", "none")
@@ -23,10 +23,27 @@ MAX_GAMMA = VERIFY_WIDTH - 1
 DRAFT_MIN_CONFIDENCE = 0.3  # adaptive mode: the draft model stops after a token it gives less than this
 
 
+def resolve_quant(quant: str, dtype: str, rows: int) -> str:
+    """'auto': the fastest kernel on this CPU for matmuls of `rows` rows (measured once and cached)."""
+    if quant != "auto":
+        return quant
+    from specdecode.models.autotune import fastest_quant
+
+    return fastest_quant(parse_dtype(dtype), rows)
+
+
 def load_target(target: str, *, dtype: str = "float32", device: str = "cpu", bit_exact: bool = True,
                 quant: str = "none") -> LoadedModel:
-    return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None,
-                      quant=quant)
+    """quant 'auto' picks the fastest kernel for a verify step (and so changes the target's outputs: opt-in)."""
+    width = VERIFY_WIDTH if bit_exact else None
+    return load_model(target, dtype=dtype, device=device, decode_width=width,
+                      quant=resolve_quant(quant, dtype, width or 1))
+
+
+def load_draft(draft: str, *, dtype: str = "float32", device: str = "cpu", quant: str = "auto",
+               batch: int = 1) -> LoadedModel:
+    """The draft's precision never changes the output, so by default it gets whatever drafts fastest here."""
+    return load_model(draft, dtype=dtype, device=device, quant=resolve_quant(quant, dtype, batch))
 
 
 def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,
@@ -51,12 +68,12 @@ def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, g
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
                     gamma: int | None = None, adaptive: bool = False, dtype: str = "float32",
                     device: str = "cpu", bit_exact: bool = True, max_context: int | None = None,
-                    quant: str = "none", draft_quant: str | None = None) -> SpeculativeGenerator:
+                    quant: str = "none", draft_quant: str = "auto") -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule.
 
     gamma: the draft model's draft length (default 4); lookup drafts (ngram, hybrid) go up to the verify
     width by default, since in bit-exact mode every step runs the full width anyway. quant / draft_quant:
-    weight-only quantization of the target / the draft when they are loaded here (draft_quant defaults to quant)."""
+    weight-only quantization of the target / the draft when they are loaded here ("auto": fastest here)."""
     return _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context, quant, draft_quant)
 
 
@@ -71,7 +88,7 @@ def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue:
 def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
               gamma: int | None = None, adaptive: bool = False, dtype: str = "float32", device: str = "cpu",
               bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
-              draft_quant: str | None = None, batch: int = 1) -> SpeculativeGenerator:
+              draft_quant: str = "auto", batch: int = 1) -> SpeculativeGenerator:
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if adaptive and drafter != "model":
@@ -86,8 +103,8 @@ def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None,
     dft = None
     if drafter in WITH_DRAFT_MODEL:
         draft = draft or DEFAULT_DRAFT
-        dft = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype, device=device,
-                                                                      quant=draft_quant or quant)
+        dft = draft if isinstance(draft, LoadedModel) else load_draft(draft, dtype=dtype, device=device,
+                                                                      quant=draft_quant, batch=batch)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     drafting = make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive, max_context=max_context,
                             batch=batch)

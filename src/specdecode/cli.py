@@ -31,9 +31,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="none", metavar="Q",
-                   help="weight-only quantization of the target and draft linears: none, int8 (per output channel) "
-                        "or int4 (groups of 32; int4-g64 / int4-g128 for other group sizes)")
-    p.add_argument("--draft-quant", default=None, metavar="Q", help="the draft's quantization (default: --quant)")
+                   help="weight-only quantization of the target's linears: none (default), int8 (per output channel), "
+                        "int4 (groups of 32; int4-g64 / int4-g128), or auto (the fastest kernel on this CPU). "
+                        "Quantizing the target changes its outputs")
+    p.add_argument("--draft-quant", default="auto", metavar="Q",
+                   help="the draft's quantization, same choices; default auto: the draft's precision never changes "
+                        "the output, only how often its tokens are accepted")
 
 
 def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
@@ -299,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--json", action="store_true", help="print one JSON object")
     dr.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], metavar=("OUT", "IN"),
                     help="the projection to time (default: the 1.5B's MLP up projection)")
-    dr.add_argument("--repeats", type=int, default=7)
+    dr.add_argument("--repeats", type=int, default=5)
     dr.set_defaults(func=_doctor)
 
     rb = sub.add_parser("runtime-bench", help="ms per forward of k tokens, load time, RSS; beside transformers")

@@ -7,7 +7,6 @@ per (dtype, quant), the invariance of each kernel, memory bandwidth and the resu
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
@@ -15,7 +14,8 @@ import torch
 
 from specdecode.bench.runtime import cpu_name
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import Linear, make_linear
+from specdecode.models.autotune import streamed_layers, time_rows
+from specdecode.models.linear import Linear
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
@@ -49,15 +49,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def kernel_curve(layer: Linear, ks=KS, repeats: int = 7) -> dict[int, float]:
-    """Median ms of one matmul of k rows, for each k. The weights (tens of MB) stream from memory as in decoding."""
-    x = torch.randn(max(ks), layer.in_features).to(layer.dtype)
-    out = {}
-    for k in ks:
-        rows = x[:k]
-        layer._matmul(rows)
-        out[k] = round(statistics.median(_timed(lambda: layer._matmul(rows)) for _ in range(repeats)) * 1e3, 3)
-    return out
+def kernel_curve(layers: list[Linear], ks=KS, repeats: int = 5) -> dict[int, float]:
+    """Median ms of one matmul of k rows, for each k, with the weights streaming from memory as in decoding."""
+    return {k: round(time_rows(layers, k, repeats), 3) for k in ks}
 
 
 def row_invariant(layer: Linear, ks=KS) -> bool:
@@ -85,31 +79,30 @@ def floor_ms(cfg: ModelConfig, dtype: str, quant: str, bandwidth_gbs: float) -> 
 
 
 def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfig] | None = None,
-             repeats: int = 7) -> dict:
+             repeats: int = 5) -> dict:
     """Everything `specdecode doctor` prints, as one JSON-able dict."""
-    g = torch.Generator().manual_seed(0)
     kernels = []
     for dtype, quant in CONFIGS:
-        weight = (torch.randn(shape, generator=g) * 0.02).to(getattr(torch, dtype))
         try:
-            layer = make_linear(weight, None, quant)
-            curve = kernel_curve(layer, repeats=repeats)
+            layers = streamed_layers(getattr(torch, dtype), quant, shape)
+            curve = kernel_curve(layers, repeats=repeats)
         except (RuntimeError, NotImplementedError) as exc:  # a kernel this torch build or CPU lacks
             kernels.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
             continue
-        kernels.append({"name": f"{type(layer).__name__}/{dtype}", "dtype": dtype, "quant": quant,
+        kernels.append({"name": f"{type(layers[0]).__name__}/{dtype}", "dtype": dtype, "quant": quant,
                         "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
-                        "bit_exact": row_invariant(layer)})
+                        "bit_exact": row_invariant(layers[0])})
+        del layers
     bandwidth = memory_bandwidth_gbs()
     floors = {name: {f"{d}/{q}": round(floor_ms(cfg, d, q, bandwidth), 1) for d, q in CONFIGS}
               for name, cfg in (models or {}).items()}
     usable = [k for k in kernels if "ms_by_k" in k]
-    # the verify width of bit-exact mode is 9 rows: rank kernels by the cost of a verify step
-    fastest = min(usable, key=lambda k: k["ms_by_k"][9])
+    # a verify step of bit-exact mode has 9 rows; a lone sequence's draft step has 1
+    fastest_draft = min(usable, key=lambda k: k["ms_by_k"][1])
     fastest_lossless = min((k for k in usable if k["quant"] == "none"), key=lambda k: k["ms_by_k"][9])
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": kernels, "bandwidth_gbs": round(bandwidth, 1),
             "floor_ms_per_token": floors,
             "chosen": {"target": {"dtype": fastest_lossless["dtype"], "quant": "none"},
-                       "draft": {"dtype": fastest["dtype"], "quant": fastest["quant"]}}}
+                       "draft": {"dtype": fastest_draft["dtype"], "quant": fastest_draft["quant"]}}}

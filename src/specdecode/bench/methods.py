@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specdecode.builder import WITH_DRAFT_MODEL, build_generator, load_target
+from specdecode.builder import WITH_DRAFT_MODEL, build_generator, load_draft, load_target
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.linear import parse_quant
-from specdecode.models.loading import DTYPES, LoadedModel, load_model
+from specdecode.models.loading import DTYPES, LoadedModel
 
 OURS = ("plain", "ngram", "model", "adaptive", "hybrid")
 PEERS = ("hf-plain", "hf-assisted", "hf-prompt-lookup", "llama-cpp", "llama-cpp-prompt-lookup")
@@ -122,8 +122,8 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
             cfg = _OUR_CONFIG[spec.kind]
             dft = None
             if cfg["drafter"] in WITH_DRAFT_MODEL:
-                if key not in drafts:
-                    drafts[key] = load_model(draft, dtype=spec.dtype, quant=spec.quant)
+                if key not in drafts:  # the draft in the method's quant, or the fastest here (as our default)
+                    drafts[key] = load_draft(draft, dtype=spec.dtype, quant="auto" if spec.quant == "none" else spec.quant)
                 dft = drafts[key]
             gen = build_generator(targets[key], draft=dft, gamma=gamma, **cfg)
             methods.append(EngineMethod(name, gen, coupling))

@@ -18,9 +18,8 @@ import httpx
 
 from specdecode.bench.runtime import cpu_name
 from specdecode.bench.spec_bench import DEFAULT_QUESTIONS, load_questions
-from specdecode.builder import WITH_DRAFT_MODEL, build_scheduler, load_target
+from specdecode.builder import WITH_DRAFT_MODEL, build_scheduler, load_draft, load_target
 from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdecode.models.loading import load_model
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -87,7 +86,7 @@ def serving_bench(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, draf
     from specdecode.serving.app import create_app, serve_in_thread
 
     tgt = load_target(target, dtype=dtype)
-    dft = load_model(draft, dtype=dtype) if any(d in WITH_DRAFT_MODEL for d in drafters) else None
+    dft = load_draft(draft, dtype=dtype, batch=max_batch) if any(d in WITH_DRAFT_MODEL for d in drafters) else None
     rows = []
     for drafter in drafters:
         for batch in sorted({max_batch, 1}, reverse=True):

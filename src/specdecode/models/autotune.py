@@ -1,0 +1,85 @@
+"""Choose the fastest linear kernel on this CPU by measuring it once; the answer is cached per CPU and torch.
+
+Which kernel wins depends on the CPU (shared/CPU.md): on an AMX Xeon bf16 `W @ x.T` is flat up to 16 rows
+while torch's int4 kernel costs half as much for one row and three times as much for nine; on an
+AVX2-only CPU torch's int8 kernel is slower than fp32. So `--quant auto` (and the draft's default) asks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.models.linear import QUANTS, Linear, make_linear
+
+STREAM_BYTES = 256 * 2**20  # each candidate cycles through this many bytes of weights: no cache can hold them
+PROBE_SHAPE = (4864, 896)  # the 0.5B draft's MLP projection
+
+
+def _cpu_key() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        model, flags = "", ""
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return f"{model}|{digest}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def _cache_file() -> Path:
+    from specdecode.models.catalog import cache_dir
+
+    return cache_dir() / "autotune.json"
+
+
+def streamed_layers(dtype: torch.dtype, quant: str, shape: tuple[int, int] = PROBE_SHAPE) -> list[Linear]:
+    """Copies of one random `shape` projection, together STREAM_BYTES: cycling through them reads from memory."""
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)).mul(0.02).to(dtype)
+    layer = make_linear(weight, None, quant)
+    size = sum(b.numel() * b.element_size() for b in list(layer.buffers()) + list(layer.parameters()))
+    return [layer] + [copy.deepcopy(layer) for _ in range(max(1, STREAM_BYTES // size) - 1)]
+
+
+def time_rows(layers: list[Linear], rows: int, repeats: int = 5) -> float:
+    """Median ms of one `rows`-row matmul, cycling through `layers`."""
+    x = torch.randn(rows, layers[0].in_features).to(layers[0].dtype)
+    for lin in layers:  # warm-up
+        lin._matmul(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for lin in layers:
+            lin._matmul(x)
+        times.append((time.perf_counter() - t) / len(layers))
+    return statistics.median(times) * 1e3
+
+
+def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = QUANTS) -> str:
+    """The quantization whose kernel is fastest for `rows`-row matmuls here (measured once, then cached)."""
+    key = f"{_cpu_key()}|{dtype}|{rows} rows|{','.join(candidates)}"
+    path = _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key not in cached:
+        ms = {}
+        for quant in candidates:
+            try:
+                ms[quant] = time_rows(streamed_layers(dtype, quant), rows)
+            except (RuntimeError, NotImplementedError):  # a kernel this CPU or torch build lacks
+                continue
+        cached[key] = {"choice": min(ms, key=ms.get), "ms": {q: round(v, 4) for q, v in ms.items()}}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cached, indent=1))
+        except OSError:
+            pass  # a read-only cache only costs the measurement next time
+    return cached[key]["choice"]
