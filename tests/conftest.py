@@ -59,6 +59,13 @@ def perturbed(model, scale: float, seed: int):
     return other
 
 
+@pytest.fixture(autouse=True)
+def _no_kernel_autotune(request, monkeypatch):
+    """Fast tests never time kernels nor write the user's cache: 'auto' quantization means none here."""
+    if "real_autotune" not in request.keywords and "slow" not in request.keywords:
+        monkeypatch.setattr("specdecode.models.autotune.fastest_quant", lambda *args, **kwargs: "none")
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[LoadedModel, LoadedModel]:
     """A tiny target (bit-exact width 9) and a draft that is a noisy copy of it, with a shared tokenizer."""

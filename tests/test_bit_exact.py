@@ -1,5 +1,5 @@
 """Bit-exact speculative decoding: the target's logits at every accepted position equal plain decoding's,
-compared with torch.equal, for each dtype, drafter, gamma and batch size."""
+compared with torch.equal, for each dtype and quantization, drafter, gamma and batch size."""
 
 from __future__ import annotations
 
@@ -39,11 +39,13 @@ def assert_same_logits(got: dict[int, torch.Tensor], expected: dict[int, torch.T
     assert not bad, f"{where}: logits differ at positions {bad}"
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=[("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
+                                        ("bfloat16", "int4")], ids=lambda p: "-".join(p))
 def pair(request, tiny_pair):
     target, draft = tiny_pair
-    return (load_model(target.source, dtype=request.param, decode_width=9),
-            load_model(draft.source, dtype=request.param))
+    dtype, quant = request.param
+    return (load_model(target.source, dtype=dtype, decode_width=9, quant=quant),
+            load_model(draft.source, dtype=dtype, quant=quant))
 
 
 @pytest.fixture(scope="module")

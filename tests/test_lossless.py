@@ -71,8 +71,9 @@ def small_vocab(tmp_path_factory):
     target_hf = tiny_hf_model("llama", seed=5, **shape)
     near = perturbed(target_hf, 0.5, seed=6)
     far = tiny_hf_model("llama", seed=7, **shape)
-    load = lambda name, m: load_model(save_tiny(root / name, m), with_tokenizer=False).model  # noqa: E731
-    return {"target": load("t", target_hf), "near": load("near", near), "far": load("far", far)}
+    load = lambda name, m, **kw: load_model(save_tiny(root / name, m), with_tokenizer=False, **kw).model  # noqa: E731
+    return {"target": load("t", target_hf), "near": load("near", near), "far": load("far", far),
+            "near-reduced": load("near-reduced", near, head_rows=7)}  # proposes only ids 0..6 of 12
 
 
 def logit_tables(model, prompt: list[int] = PROMPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,15 +171,17 @@ def test_the_distribution_test_catches_a_planted_bug(small_vocab, bug):
     assert chi_square_p(counts, exact_first_two(small_vocab["target"], params)) < 1e-3
 
 
-@pytest.mark.parametrize("kind,coupling", [("model", "rejection"), ("hybrid", "rejection"), ("model", "gumbel")])
+@pytest.mark.parametrize("kind,coupling", [("model", "rejection"), ("hybrid", "rejection"), ("model", "gumbel"),
+                                           ("reduced", "rejection"), ("reduced", "gumbel")])
 def test_engine_sampling_first_token_distribution_and_seeds(small_vocab, kind, coupling):
     """End to end through the engine (gamma 3): first-token frequencies match p. The hybrid's prompt repeats
-    itself, so its first draft is a copied point mass and later ones come from the draft model."""
-    target, near = small_vocab["target"], small_vocab["near"]
+    itself, so its first draft is a copied point mass and later ones come from the draft model. The reduced
+    draft only knows 7 of the 12 tokens: the others can only come from the residual distribution."""
+    target, near = small_vocab["target"], small_vocab["near-reduced" if kind == "reduced" else "near"]
     params = SamplingParams(1.0, top_k=6)
     model = ModelDrafter(near, V, 64)
-    drafter = model if kind == "model" else HybridDrafter(model, model_gamma=3)
-    prompt = PROMPT if kind == "model" else [1, 7, 3, 1, 7]
+    drafter = HybridDrafter(model, model_gamma=3) if kind == "hybrid" else model
+    prompt = [1, 7, 3, 1, 7] if kind == "hybrid" else PROMPT
     gen = SpeculativeGenerator(target, drafter, None, GammaSchedule(3), max_context=64)
     first = [gen.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=6, seed=s, eos_ids=[],
                           coupling=coupling).token_ids[0] for s in range(600)]

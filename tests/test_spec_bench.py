@@ -63,9 +63,10 @@ def test_method_names_and_baselines():
     assert specs[0] == MethodSpec("plain", "bfloat16")  # the reference is always there, first
     assert [s.name("bfloat16") for s in specs] == ["plain", "hf-plain:float32", "ngram", "model"]  # plain ones first
     assert own_baseline("model") == "plain" and own_baseline("ngram:float32") == "plain:float32"
-    specs = parse_methods(["model:int4", "plain:float32:int8", "plain:int4"], "bfloat16")
-    assert [s.name("bfloat16") for s in specs] == ["plain", "plain:float32:int8", "plain:int4", "model:int4"]
-    assert specs[3] == MethodSpec("model", "bfloat16", "int4") and own_baseline("model:int4") == "plain:int4"
+    specs = parse_methods(["model:int4", "plain:float32:int8", "ngram:int8"], "bfloat16")
+    assert [s.name("bfloat16") for s in specs] == ["plain", "plain:float32:int8", "plain:int4", "plain:int8",
+                                                  "model:int4", "ngram:int8"]  # missing baselines added
+    assert specs[4] == MethodSpec("model", "bfloat16", "int4") and own_baseline("model:int4") == "plain:int4"
     with pytest.raises(InvalidRequestError, match="peers run their own weights"):
         parse_methods(["hf-plain:int4"], "float32")
     assert own_baseline("hf-assisted") == "hf-plain" and own_baseline("llama-cpp-prompt-lookup") == "llama-cpp"

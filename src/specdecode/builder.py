@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from specdecode.drafting.base import Drafter
 from specdecode.drafting.hybrid import HybridDrafter
 from specdecode.drafting.model import ModelDrafter, check_same_tokenizer
@@ -23,10 +25,12 @@ MAX_GAMMA = VERIFY_WIDTH - 1
 DRAFT_MIN_CONFIDENCE = 0.3  # adaptive mode: the draft model stops after a token it gives less than this
 
 
-def resolve_quant(quant: str, dtype: str, rows: int) -> str:
+def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu") -> str:
     """'auto': the fastest kernel on this CPU for matmuls of `rows` rows (measured once and cached)."""
     if quant != "auto":
         return quant
+    if torch.device(device).type != "cpu":  # the quantized kernels are torch's CPU ones
+        return "none"
     from specdecode.models.autotune import fastest_quant
 
     return fastest_quant(parse_dtype(dtype), rows)
@@ -35,15 +39,17 @@ def resolve_quant(quant: str, dtype: str, rows: int) -> str:
 def load_target(target: str, *, dtype: str = "float32", device: str = "cpu", bit_exact: bool = True,
                 quant: str = "none") -> LoadedModel:
     """quant 'auto' picks the fastest kernel for a verify step (and so changes the target's outputs: opt-in)."""
-    width = VERIFY_WIDTH if bit_exact else None
-    return load_model(target, dtype=dtype, device=device, decode_width=width,
-                      quant=resolve_quant(quant, dtype, width or 1))
+    return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None,
+                      quant=resolve_quant(quant, dtype, VERIFY_WIDTH, device))  # a verify step's rows
 
 
 def load_draft(draft: str, *, dtype: str = "float32", device: str = "cpu", quant: str = "auto",
-               batch: int = 1) -> LoadedModel:
-    """The draft's precision never changes the output, so by default it gets whatever drafts fastest here."""
-    return load_model(draft, dtype=dtype, device=device, quant=resolve_quant(quant, dtype, batch))
+               batch: int = 1, vocab: int | None = None) -> LoadedModel:
+    """The draft's precision never changes the output, so by default it gets whatever drafts fastest here.
+    vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
+    only needs q at the proposed tokens and q = 0 elsewhere)."""
+    return load_model(draft, dtype=dtype, device=device, quant=resolve_quant(quant, dtype, batch, device),
+                      head_rows=vocab)
 
 
 def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,
@@ -68,13 +74,16 @@ def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, g
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
                     gamma: int | None = None, adaptive: bool = False, dtype: str = "float32",
                     device: str = "cpu", bit_exact: bool = True, max_context: int | None = None,
-                    quant: str = "none", draft_quant: str = "auto") -> SpeculativeGenerator:
+                    quant: str = "none", draft_quant: str = "auto",
+                    draft_vocab: int | None = None) -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule.
 
     gamma: the draft model's draft length (default 4); lookup drafts (ngram, hybrid) go up to the verify
     width by default, since in bit-exact mode every step runs the full width anyway. quant / draft_quant:
-    weight-only quantization of the target / the draft when they are loaded here ("auto": fastest here)."""
-    return _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context, quant, draft_quant)
+    weight-only quantization of the target / the draft when they are loaded here ("auto": fastest here).
+    draft_vocab: the draft proposes only token ids below it (see load_draft)."""
+    return _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context, quant, draft_quant,
+                     draft_vocab)
 
 
 def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue: int = 64,
@@ -88,7 +97,7 @@ def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue:
 def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
               gamma: int | None = None, adaptive: bool = False, dtype: str = "float32", device: str = "cpu",
               bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
-              draft_quant: str = "auto", batch: int = 1) -> SpeculativeGenerator:
+              draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if adaptive and drafter != "model":
@@ -104,7 +113,7 @@ def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None,
     if drafter in WITH_DRAFT_MODEL:
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_draft(draft, dtype=dtype, device=device,
-                                                                      quant=draft_quant, batch=batch)
+                                                                      quant=draft_quant, batch=batch, vocab=draft_vocab)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     drafting = make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive, max_context=max_context,
                             batch=batch)

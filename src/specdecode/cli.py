@@ -37,6 +37,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", default="auto", metavar="Q",
                    help="the draft's quantization, same choices; default auto: the draft's precision never changes "
                         "the output, only how often its tokens are accepted")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the draft proposes only the first N token ids (a smaller, faster lm_head; lossless)")
 
 
 def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
@@ -55,7 +57,8 @@ def _generate(args: argparse.Namespace) -> int:
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.coupling)  # fail before the slow load
     target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact, quant=args.quant)
     gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, adaptive=args.adaptive,
-                          dtype=args.dtype, device=args.device, quant=args.quant, draft_quant=args.draft_quant)
+                          dtype=args.dtype, device=args.device, quant=args.quant, draft_quant=args.draft_quant,
+                          draft_vocab=args.draft_vocab)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat, coupling=args.coupling)
     stream = gen.stream(args.prompt, **request)
@@ -149,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
     scheduler = build_scheduler(args.target, draft=args.draft, drafter=args.drafter, gamma=args.gamma,
                                 adaptive=args.adaptive, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact,
                                 max_context=args.max_context, max_batch=args.max_batch, max_queue=args.max_queue,
-                                quant=args.quant, draft_quant=args.draft_quant)
+                                quant=args.quant, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab)
     name = args.served_model_name or Path(args.target).name
     app = create_app(scheduler, name, api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY"))
     print(f"serving {name!r} (drafter {args.drafter}, up to {args.max_batch} sequences per step; linears stay "
@@ -190,21 +193,32 @@ def _doctor(args: argparse.Namespace) -> int:
           f"capability {report['capability']}, {report['threads']} threads")
     print(f"memory bandwidth: {report['bandwidth_gbs']} GB/s")
     print(f"\nkernels, one {args.shape[0]}x{args.shape[1]} projection, ms for k rows (median of {args.repeats}):")
-    print(f"{'kernel':22s} " + " ".join(f"{k:>6d}" for k in (1, 2, 4, 8, 9, 16)) + "   ms(8)/ms(1)  bit-exact")
+    print(f"{'kernel':22s} " + " ".join(f"{k:>6d}" for k in (1, 2, 4, 8, 9, 16))
+          + "   ms(8)/ms(1)  sequences/matmul  row-invariant")
     for k in report["kernels"]:
         if "error" in k:
             print(f"{k['name']:22s} unavailable: {k['error']}")
             continue
         ms = k["ms_by_k"]
         print(f"{k['name']:22s} " + " ".join(f"{ms[n]:6.2f}" for n in (1, 2, 4, 8, 9, 16))
-              + f"   {k['flatness_8_over_1']:>11.2f}  {'yes' if k['bit_exact'] else 'no (padded to 9 rows in bit-exact mode)'}")
+              + f"   {k['flatness_8_over_1']:>11.2f}  {k['invariant_sequences']:>16d}  "
+              + ("yes" if k["bit_exact"] else "no (bit-exact mode pads to 9 rows)"))
     for name, floors in report["floor_ms_per_token"].items():
         print(f"\nfloor for {name} (weights / bandwidth), ms per token: "
               + ", ".join(f"{c} {v}" for c, v in floors.items()))
     c = report["chosen"]
-    print(f"\nchosen: target {c['target']['dtype']} unquantized (quantizing the target changes its outputs; "
-          f"ask for it with --quant), draft {c['draft']['dtype']} {c['draft']['quant']} (the draft's precision never "
-          f"changes the output)")
+    print(f"\nchosen: target in {c['target']['dtype']} (the fastest dense kernel for a 9-row verify step; the target "
+          f"stays unquantized unless you ask with --quant, since that changes its outputs); draft {c['draft']['quant']} "
+          f"(what --draft-quant auto picks for one row; the draft's precision never changes the output)")
+    return 0
+
+
+def _quant_quality(args: argparse.Namespace) -> int:
+    from specdecode.bench.quality import quant_quality
+
+    report = quant_quality(args.target, args.quants, dtype=args.dtype, prompts=args.prompts,
+                           max_new_tokens=args.max_new_tokens, log=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(report))
     return 0
 
 
@@ -304,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the projection to time (default: the 1.5B's MLP up projection)")
     dr.add_argument("--repeats", type=int, default=5)
     dr.set_defaults(func=_doctor)
+
+    qq = sub.add_parser("quant-quality", help="greedy agreement and log-likelihood of quantized targets vs unquantized")
+    qq.add_argument("--target", default=DEFAULT_TARGET)
+    qq.add_argument("--quants", nargs="+", default=["int8", "int4"])
+    qq.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    qq.add_argument("--prompts", type=int, default=20, help="the first N Spec-Bench questions (round robin by category)")
+    qq.add_argument("--max-new-tokens", type=int, default=64)
+    qq.set_defaults(func=_quant_quality)
 
     rb = sub.add_parser("runtime-bench", help="ms per forward of k tokens, load time, RSS; beside transformers")
     rb.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])

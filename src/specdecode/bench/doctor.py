@@ -14,8 +14,8 @@ import torch
 
 from specdecode.bench.runtime import cpu_name
 from specdecode.models.config import ModelConfig
-from specdecode.models.autotune import streamed_layers, time_rows
-from specdecode.models.linear import Linear
+from specdecode.models.autotune import fastest_quant, streamed_layers, time_rows
+from specdecode.models.linear import Linear, invariant_rows
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
@@ -70,12 +70,10 @@ def linear_weights(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def floor_ms(cfg: ModelConfig, dtype: str, quant: str, bandwidth_gbs: float) -> float:
-    """ms per token if decoding only streamed the weights at the measured bandwidth."""
+    """ms per token if decoding only streamed the weights at the measured bandwidth (the lm_head stays dense)."""
     blocks, head = linear_weights(cfg)
     dense = 4.0 if dtype == "float32" else 2.0
-    per = BYTES_PER_WEIGHT[quant] or dense
-    head_per = BYTES_PER_WEIGHT["int8"] if quant == "int4" else per  # int4 blocks keep an int8 lm_head
-    return (blocks * per + head * head_per) / (bandwidth_gbs * 1e9) * 1e3
+    return (blocks * (BYTES_PER_WEIGHT[quant] or dense) + head * dense) / (bandwidth_gbs * 1e9) * 1e3
 
 
 def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfig] | None = None,
@@ -86,23 +84,24 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
         try:
             layers = streamed_layers(getattr(torch, dtype), quant, shape)
             curve = kernel_curve(layers, repeats=repeats)
-        except (RuntimeError, NotImplementedError) as exc:  # a kernel this torch build or CPU lacks
+        except Exception as exc:  # noqa: BLE001  a kernel this torch build or CPU lacks, or a shape it refuses
             kernels.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
             continue
         kernels.append({"name": f"{type(layers[0]).__name__}/{dtype}", "dtype": dtype, "quant": quant,
                         "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
-                        "bit_exact": row_invariant(layers[0])})
+                        "bit_exact": row_invariant(layers[0]),
+                        # sequences of 9 rows one matmul may hold and stay bit-exact (a server batch's group)
+                        "invariant_sequences": invariant_rows(layers[0], 9, 8)})
         del layers
     bandwidth = memory_bandwidth_gbs()
     floors = {name: {f"{d}/{q}": round(floor_ms(cfg, d, q, bandwidth), 1) for d, q in CONFIGS}
               for name, cfg in (models or {}).items()}
-    usable = [k for k in kernels if "ms_by_k" in k]
-    # a verify step of bit-exact mode has 9 rows; a lone sequence's draft step has 1
-    fastest_draft = min(usable, key=lambda k: k["ms_by_k"][1])
-    fastest_lossless = min((k for k in usable if k["quant"] == "none"), key=lambda k: k["ms_by_k"][9])
+    dense = [k for k in kernels if "ms_by_k" in k and k["quant"] == "none"]
+    # a verify step of bit-exact mode has 9 rows; the draft's kernel is what --draft-quant auto picks for 1 row
+    target_dtype = min(dense, key=lambda k: k["ms_by_k"][9])["dtype"] if dense else "float32"
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": kernels, "bandwidth_gbs": round(bandwidth, 1),
             "floor_ms_per_token": floors,
-            "chosen": {"target": {"dtype": fastest_lossless["dtype"], "quant": "none"},
-                       "draft": {"dtype": fastest_draft["dtype"], "quant": fastest_draft["quant"]}}}
+            "chosen": {"target": {"dtype": target_dtype, "quant": "none"},
+                       "draft": {"dtype": target_dtype, "quant": fastest_quant(getattr(torch, target_dtype), 1)}}}

@@ -95,8 +95,13 @@ class EngineMethod:
 
 def parse_methods(names: list[str], default_dtype: str) -> list[MethodSpec]:
     """`plain` (our plain decoding in the default dtype) first: the reference; then the other plain methods (each
-    method's output is checked against its own plain one, which must have run), then the rest as given."""
+    method's output is checked against its own plain one, which must have run, and is added if missing), then
+    the rest as given."""
     specs = [MethodSpec.parse(n, default_dtype) for n in names]
+    for s in list(specs):  # every method of ours is checked against our plain decoding of the same weights
+        baseline = MethodSpec("plain", s.dtype, s.quant)
+        if s.kind in OURS and baseline not in specs:
+            specs.append(baseline)
     reference = MethodSpec("plain", default_dtype)
     specs = [reference] + sorted((s for s in specs if s != reference), key=lambda s: s.kind not in PLAIN_KINDS)
     if len(set(specs)) != len(specs):

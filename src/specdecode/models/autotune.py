@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 
 from specdecode.models.linear import QUANTS, Linear, make_linear
 
+SCHEMA = 1  # bump when what is measured changes: older cached answers are then ignored
+MARGIN = 1.1  # a quantized kernel is chosen only if it is this much faster than the dense one
 STREAM_BYTES = 256 * 2**20  # each candidate cycles through this many bytes of weights: no cache can hold them
 PROBE_SHAPE = (4864, 896)  # the 0.5B draft's MLP projection
 
@@ -62,24 +65,34 @@ def time_rows(layers: list[Linear], rows: int, repeats: int = 5) -> float:
 
 
 def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = QUANTS) -> str:
-    """The quantization whose kernel is fastest for `rows`-row matmuls here (measured once, then cached)."""
-    key = f"{_cpu_key()}|{dtype}|{rows} rows|{','.join(candidates)}"
+    """The quantization whose kernel is fastest for `rows`-row matmuls here (measured once, then cached).
+
+    A quantized kernel must beat the dense one by MARGIN: it costs acceptance (for a draft) or quality.
+    Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
+    """
+    key = f"v{SCHEMA}|{_cpu_key()}|{dtype}|{rows} rows|{','.join(candidates)}"
     path = _cache_file()
     try:
         cached = json.loads(path.read_text())
+        cached = cached if isinstance(cached, dict) else {}
     except (OSError, ValueError):
         cached = {}
-    if key not in cached:
-        ms = {}
-        for quant in candidates:
-            try:
-                ms[quant] = time_rows(streamed_layers(dtype, quant), rows)
-            except (RuntimeError, NotImplementedError):  # a kernel this CPU or torch build lacks
-                continue
-        cached[key] = {"choice": min(ms, key=ms.get), "ms": {q: round(v, 4) for q, v in ms.items()}}
+    entry = cached.get(key)
+    if isinstance(entry, dict) and entry.get("choice") in candidates:
+        return entry["choice"]
+    ms = {}
+    for quant in candidates:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=1))
-        except OSError:
-            pass  # a read-only cache only costs the measurement next time
+            ms[quant] = time_rows(streamed_layers(dtype, quant), rows)
+        except Exception:  # noqa: BLE001  a kernel this CPU or torch build lacks is simply not a candidate
+            continue
+    choice = min(ms, key=lambda q: ms[q] if q == "none" else ms[q] * MARGIN, default="none")
+    cached[key] = {"choice": choice, "ms": {q: round(v, 4) for q, v in ms.items()}}
+    try:  # write whole, then rename: concurrent processes never see half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs the measurement next time
     return cached[key]["choice"]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import Linear, invariant_rows, make_linear
+from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 
@@ -169,17 +169,19 @@ class Transformer(nn.Module):
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", decode_width: int | None = None,
-                        quant: str = "none") -> "Transformer":
+                        quant: str = "none", head_rows: int | None = None) -> "Transformer":
         """Build from Hugging Face parameter names (GGUF loading maps to them too).
 
         quant: weight-only quantization of every linear of the blocks ("none", "int8", "int4[-gG]"), done
         layer by layer as the weights are taken. The embedding stays in `dtype` (a lookup reads one row per
-        token); the lm_head gets int8 when the blocks get int4, as llama.cpp keeps its output layer wider.
+        token) and so does the lm_head: kept wide for quality (llama.cpp keeps its output layer wider too),
+        and on the CPUs we measured a dense bf16 head was faster than int8 at 1 and at 9 rows (`doctor`).
+        head_rows: keep only the lm_head's first rows (a draft's reduced vocabulary: logits for token ids
+        below it; byte-level BPE vocabularies list their most frequent merges first).
         """
-        head_quant = "int8" if quant.startswith("int4") else quant
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, q: str = quant) -> Linear:
-            return make_linear(weight, bias, q)
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return make_linear(weight, bias, quant)
 
         def take(name: str) -> torch.Tensor:
             if name not in sd:
@@ -201,7 +203,11 @@ class Transformer(nn.Module):
                                 take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight")))
         embed = take("model.embed_tokens.weight")
         head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in sd else take("lm_head.weight")
-        return cls(cfg, embed, blocks, take("model.norm.weight"), linear(head, q=head_quant), decode_width)
+        if head_rows is not None:
+            if not 1 <= head_rows <= head.shape[0]:
+                raise ValueError(f"a reduced vocabulary needs 1..{head.shape[0]} tokens, got {head_rows}")
+            head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
+        return cls(cfg, embed, blocks, take("model.norm.weight"), DenseLinear(head), decode_width)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences of up to `max_len` tokens (default: the model's context)."""
@@ -274,6 +280,9 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, i, cache, rows, slots, cos, sin, visible)
         n = T if num_logits is None else min(num_logits, T)
+        if n == 0:  # a prefill that only fills the cache: no lm_head
+            empty = torch.zeros(B, 0, self.lm_head.out_features)
+            return (empty, x[:, :0]) if return_hidden else empty
         if Tp == W:  # keep the fixed shape through lm_head, then drop padding rows
             h = rms_norm(x, self.norm, self.config.rms_norm_eps)
             logits = self.lm_head(h).float()[:, T - n:T]

@@ -57,9 +57,9 @@ class Int8Linear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[0], weight.shape[1], bias, weight.dtype)
         w = weight.float()
-        scale = w.abs().amax(1).clamp(min=1e-10) / 127  # [out]
-        self.register_buffer("q", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(weight.dtype))
+        scale = (w.abs().amax(1).clamp(min=1e-10) / 127).to(weight.dtype)  # [out], as the kernel will see it
+        self.register_buffer("q", (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
 
     def dequantized(self) -> torch.Tensor:
         return self.q.float() * self.scale.float()[:, None]
@@ -86,10 +86,11 @@ class Int4Linear(Linear):
         self.group = group
         w = weight.float().reshape(out_features, in_features // group, group)
         lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        scale = (hi - lo).clamp(min=1e-10) / 15
-        q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        # scale and zero as the kernel will see them (bf16), then q against exactly those
+        scale = ((hi - lo).clamp(min=1e-10) / 15).to(torch.bfloat16).float()
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        q = ((w - (zero - 8 * scale)) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        zero = lo + 8 * scale
         self.register_buffer("scale_zero", torch.cat([scale, zero], -1).transpose(0, 1).contiguous()
                              .to(torch.bfloat16))  # [in / group, out, 2]
 
@@ -106,10 +107,12 @@ class Int4Linear(Linear):
 
 def parse_quant(quant: str) -> tuple[str, int]:
     """'none' | 'int8' | 'int4' | 'int4-g64' ... -> (kind, int4 group size)."""
-    kind, _, group = quant.partition("-g")
-    if kind not in QUANTS or (group and (kind != "int4" or not group.isdigit())):
+    kind, sep, group = quant.partition("-g")
+    if kind not in QUANTS or (sep and (kind != "int4" or not group.isdigit())):
         raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4 or int4-g32/64/128")
-    return kind, int(group) if group else DEFAULT_INT4_GROUP
+    if sep and int(group) not in INT4_GROUP_SIZES:
+        raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
+    return kind, int(group) if sep else DEFAULT_INT4_GROUP
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "none") -> Linear:

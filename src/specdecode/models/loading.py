@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specdecode.errors import ModelLoadError
+from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.catalog import resolve
 from specdecode.models.decoder import Transformer
 from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer
@@ -51,11 +51,13 @@ def parse_device(device: str) -> torch.device:
 
 def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                decode_width: int | None = None, pull_missing: bool = True,
-               with_tokenizer: bool = True, quant: str = "none") -> LoadedModel:
+               with_tokenizer: bool = True, quant: str = "none", head_rows: int | None = None) -> LoadedModel:
     """Load weights and tokenizer. `decode_width` turns on bit-exact fixed-width forwards; `quant` quantizes
     the linears at load (see decoder and models/linear.py)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     parse_quant(quant)  # a bad value fails before the slow part
+    if quant != "none" and dev.type != "cpu":
+        raise InvalidRequestError(f"--quant {quant} uses torch's CPU kernels; on {dev.type} use --quant none")
     t0 = time.perf_counter()
     path = resolve(str(name_or_path), pull_missing=pull_missing)
     if path.is_dir():
@@ -68,9 +70,11 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
         raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
     try:
         model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
-                                            quant=quant)
+                                            quant=quant, head_rows=head_rows)
     except KeyError as e:
         raise ModelLoadError(f"{path}: {e.args[0]}") from e
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e
     return LoadedModel(model.eval(), tokenizer, path, time.perf_counter() - t0)
 
 
