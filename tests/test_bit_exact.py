@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import specdecode.engine
-import specdecode.serving.scheduler
 from specdecode.builder import build_generator, build_scheduler
 from specdecode.engine import GenerationResult
 from specdecode.models.loading import load_model
@@ -84,7 +83,7 @@ def test_accepted_logits_equal_plain_decoding_for_every_gamma(pair, prompts, dra
 @pytest.mark.parametrize("max_batch", [1, 2, 5, 8])
 def test_batched_accepted_logits_equal_plain_decoding(pair, prompts, max_batch, monkeypatch):
     expected = plain_logits(pair, prompts, monkeypatch)
-    log = record_decided_logits(monkeypatch, specdecode.serving.scheduler)
+    log = record_decided_logits(monkeypatch, specdecode.engine)  # the scheduler verifies through Sequence.accept
     for drafter in ("model", "ngram"):
         scheduler = build_scheduler(pair[0], draft=pair[1], drafter=drafter, max_batch=max_batch)
         log.clear()

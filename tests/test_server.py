@@ -155,16 +155,16 @@ def test_a_non_streaming_client_that_disconnects_frees_its_sequence(server, monk
 
 def test_one_failing_sequence_does_not_fail_its_batch(server, monkeypatch):
     """A request whose verification raises gets a 500 body; the others in the same steps finish normally."""
-    import specdecode.serving.scheduler as scheduler_module
+    import specdecode.engine as engine_module
 
-    real = scheduler_module.verify
+    real = engine_module.verify
 
     def failing_for_seed_13(logits, tokens, probs, params, generator, position):
         if params.seed == 13:
             raise RuntimeError("planted failure")
         return real(logits, tokens, probs, params, generator, position)
 
-    monkeypatch.setattr(scheduler_module, "verify", failing_for_seed_13)
+    monkeypatch.setattr(engine_module, "verify", failing_for_seed_13)
 
     def one(seed: int):
         return httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from jinja2 import TemplateError
 
-from specdecode.drafting.base import Drafter
+from specdecode.drafting.base import Draft, Drafter
 from specdecode.errors import InvalidRequestError
 from specdecode.models.decoder import Transformer
 from specdecode.stats import GenerationStats
@@ -98,6 +98,18 @@ class Sequence:
         self.finish: str | None = None  # "stop" (eos or stop string) | "length"
         self._hit_stop = False
         self.t_start = time.perf_counter()
+
+    def prefill(self, target: Transformer, cache, row: int = 0) -> None:
+        """Cache row `row` gets all but the last context token; each step then feeds [last, draft...]."""
+        if len(self.ids) > 1:
+            target(torch.tensor([self.ids[:-1]]), torch.tensor([0]), cache, num_logits=0, rows=torch.tensor([row]))
+        self.stats.prefill_seconds = time.perf_counter() - self.t_start
+
+    def accept(self, logits: torch.Tensor, draft: Draft) -> list[TokenEvent]:
+        """Verify `draft` against the target's logits [1, g + 1, V] after [last, draft...], then commit."""
+        tokens = torch.tensor([draft.tokens], dtype=torch.int64)  # [1, g]
+        accepted, nxt = verify(logits, tokens, draft.probs, self.params, self.generator, position=len(self.ids))
+        return self.commit(draft.tokens, accepted, nxt)
 
     def draft_len(self) -> int:
         """Draft tokens worth proposing now: the bonus token always comes from the target."""
@@ -220,20 +232,15 @@ class SpeculativeGenerator:
         if self.cache is None:
             self.cache = self.target.new_cache(1, self.max_context + self.gamma.maximum + 1)
         ids = seq.ids
-        # the cache holds all but the last context token; each step feeds [last, draft...]
-        if len(ids) > 1:
-            self.target(torch.tensor([ids[:-1]]), torch.tensor([0]), self.cache, num_logits=0)
-        seq.stats.prefill_seconds = time.perf_counter() - seq.t_start
+        seq.prefill(self.target, self.cache)
         while seq.finish is None:
             t0 = time.perf_counter()
             draft = self.drafter.propose(ids, seq.draft_len(), seq.params, seq.generator)
             t1 = time.perf_counter()
             logits = self.target(torch.tensor([[ids[-1]] + draft.tokens]), torch.tensor([len(ids) - 1]), self.cache)
-            tokens = torch.tensor([draft.tokens], dtype=torch.int64)  # [1, g]
-            accepted, nxt = verify(logits, tokens, draft.probs, seq.params, seq.generator, position=len(ids))
             seq.stats.draft_seconds += t1 - t0
             seq.stats.verify_seconds += time.perf_counter() - t1
-            yield from seq.commit(draft.tokens, accepted, nxt)
+            yield from seq.accept(logits, draft)
         yield from seq.close()
 
 

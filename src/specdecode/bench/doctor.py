@@ -8,11 +8,11 @@ per (dtype, quant), the invariance of each kernel, memory bandwidth and the resu
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from specdecode.bench.runtime import cpu_name
+from specdecode.cpu import cpu_info
 from specdecode.models.config import ModelConfig
 from specdecode.models.autotune import fastest_quant, streamed_layers, time_rows
 from specdecode.models.linear import Linear, invariant_rows
@@ -25,14 +25,8 @@ BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32} 
 
 
 def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in FLAGS_OF_INTEREST if f in have]
-    except OSError:
-        pass
-    return []
+    have = cpu_info()[1]
+    return [f for f in FLAGS_OF_INTEREST if f in have]
 
 
 def memory_bandwidth_gbs(gigabytes: float = 1.0, repeats: int = 5) -> float:

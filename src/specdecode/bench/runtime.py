@@ -6,22 +6,17 @@ Each (model, dtype, engine) runs in a fresh process so peak RSS and load time ar
 from __future__ import annotations
 
 import multiprocessing as mp
-import platform
 import resource
 import statistics
 import time
 
 import torch
 
+from specdecode.cpu import cpu_info
+
 
 def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info()[0]
 
 
 def _median_ms(fn, repeats: int) -> float:

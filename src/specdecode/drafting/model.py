@@ -87,9 +87,8 @@ class ModelDrafter(Drafter):
         width = max(len(f) for f in feeds)
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds])
         start = torch.tensor([len(self.cached[row]) for row in rows])
-        index = None if rows == list(range(len(rows))) else torch.tensor(rows)
         n = width - min(len(f) for f in feeds) + 1 if logits else 0  # the lm_head runs on the last n positions only
-        out = self.model(tokens, start, self.cache, rows=index, num_logits=n)  # [B', n, V_draft]
+        out = self.model(tokens, start, self.cache, rows=torch.tensor(rows), num_logits=n)  # [B', n, V_draft]
         for row, f in zip(rows, feeds):
             self.cached[row].extend(f)
         if not logits:

@@ -13,10 +13,10 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from specdecode.cpu import cpu_info
 from specdecode.models.linear import QUANTS, Linear, make_linear
 
 SCHEMA = 1  # bump when what is measured changes: older cached answers are then ignored
@@ -26,14 +26,9 @@ PROBE_SHAPE = (4864, 896)  # the 0.5B draft's MLP projection
 
 
 def _cpu_key() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-        flags = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        model, flags = "", ""
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"{model}|{digest}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    name, flags = cpu_info()
+    digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    return f"{name}|{digest}|torch {torch.__version__}|{torch.get_num_threads()} threads"
 
 
 def _cache_file() -> Path:

@@ -27,7 +27,6 @@ import torch
 from specdecode.drafting.base import DraftRequest
 from specdecode.engine import GenerationResult, Sequence, SpeculativeGenerator, TokenEvent
 from specdecode.errors import SpecDecodeError
-from specdecode.verification.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +132,7 @@ class Scheduler:
         tokens = torch.tensor([[r.seq.ids[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
                                for r, d in zip(batch, drafts)])  # [B, width]
         start = torch.tensor([len(r.seq.ids) - 1 for r in batch])
-        slots = [r.slot for r in batch]
-        rows = None if slots == list(range(len(slots))) else torch.tensor(slots)
+        rows = torch.tensor([r.slot for r in batch])
         logits = self.target(tokens, start, self.cache, rows=rows)  # [B, width, V]
         forward_seconds = time.perf_counter() - t1
         self.steps += 1
@@ -142,11 +140,9 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step(len(batch))
         for b, (req, draft) in enumerate(zip(batch, drafts)):
-            seq, g = req.seq, len(draft.tokens)
+            seq = req.seq
             try:  # one sequence's failure (e.g. a degenerate distribution) must not fail the others
-                accepted, nxt = verify(logits[b:b + 1, :g + 1], torch.tensor([draft.tokens], dtype=torch.int64),
-                                       draft.probs, seq.params, seq.generator, position=len(seq.ids))
-                events = seq.commit(draft.tokens, accepted, nxt)
+                events = seq.accept(logits[b:b + 1, :len(draft.tokens) + 1], draft)
             except Exception as exc:
                 log.exception("verification failed for one sequence")
                 self._finish(req, [exc])
@@ -181,11 +177,7 @@ class Scheduler:
     def _prefill(self, req: Request) -> None:
         """The cache row gets all but the last context token; each step feeds [last, draft...]."""
         self.drafter.reset(req.slot)
-        ids = req.seq.ids
-        if len(ids) > 1:
-            self.target(torch.tensor([ids[:-1]]), torch.tensor([0]), self.cache, num_logits=0,
-                        rows=torch.tensor([req.slot]))
-        req.seq.stats.prefill_seconds = time.perf_counter() - req.seq.t_start
+        req.seq.prefill(self.target, self.cache, req.slot)
 
     def _finish(self, req: Request, events: list[Event]) -> None:
         """Free the slot first (a client that resubmits at once finds it free), then deliver the last events."""
