@@ -59,11 +59,22 @@ def perturbed(model, scale: float, seed: int):
     return other
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_packed_cache(tmp_path_factory):
+    """Packed weights of the tiny models go to a folder of the test session, never to the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDECODE_PACKED_CACHE", str(tmp_path_factory.mktemp("packed")))
+        yield
+
+
 @pytest.fixture(autouse=True)
-def _no_kernel_autotune(request, monkeypatch):
-    """Fast tests never time kernels nor write the user's cache: 'auto' quantization means none here."""
+def _isolated_caches(request, monkeypatch):
+    """Fast tests never time kernels nor write the user's caches ('auto' quantization means none here).
+    Slow real-model tests use the user's caches: the real models' packed weights are worth keeping."""
     if "real_autotune" not in request.keywords and "slow" not in request.keywords:
         monkeypatch.setattr("specdecode.models.autotune.fastest_quant", lambda *args, **kwargs: "none")
+    if "slow" in request.keywords:
+        monkeypatch.delenv("SPECDECODE_PACKED_CACHE")
 
 
 @pytest.fixture(scope="session")

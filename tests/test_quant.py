@@ -20,7 +20,7 @@ def _weight(out: int = 96, inp: int = 256, seed: int = 0) -> torch.Tensor:
 
 def test_int8_round_trip_within_half_a_step():
     w = _weight()
-    layer = Int8Linear(w)
+    layer = Int8Linear.quantize(w)
     step = w.abs().amax(1, keepdim=True) / 127
     assert ((layer.dequantized() - w).abs() <= step / 2 + 1e-7).all()
 
@@ -28,7 +28,7 @@ def test_int8_round_trip_within_half_a_step():
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_round_trip_within_half_a_step(group):
     w = _weight()
-    layer = Int4Linear(w, group=group)
+    layer = Int4Linear.quantize(w, group=group)
     g = w.reshape(w.shape[0], -1, group)
     step = ((g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15).expand_as(g).reshape(w.shape)
     err = (layer.dequantized() - w).abs()
@@ -60,13 +60,13 @@ def test_int4_kernel_computes_our_quantization(group):
     zero = (lo + 8 * scale).to(torch.bfloat16).float()
     q = ((g - (zero - 8 * scale)) / scale).round().clamp(0, 15)
     expected = ((q - 8) * scale + zero).reshape(64, 256)
-    torch.testing.assert_close(Int4Linear(w, group=group).dequantized(), expected, atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(Int4Linear.quantize(w, group=group).dequantized(), expected, atol=2e-3, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_round_trip_in_the_model_dtype(dtype):
     w = _weight().to(getattr(torch, dtype))
-    layer = Int8Linear(w)
+    layer = Int8Linear.quantize(w)
     step = layer.scale.float()[:, None]
     assert ((layer.dequantized() - w.float()).abs() <= step / 2 + 1e-7).all()
 
@@ -85,9 +85,9 @@ def test_bad_quantization_arguments():
         with pytest.raises(InvalidRequestError, match="unknown quantization"):
             parse_quant(bad)
     with pytest.raises(InvalidRequestError, match="group size"):
-        Int4Linear(_weight(), group=48)
+        Int4Linear.quantize(_weight(), group=48)
     with pytest.raises(InvalidRequestError, match="multiple"):
-        Int4Linear(_weight(inp=96), group=64)
+        Int4Linear.quantize(_weight(inp=96), group=64)
 
 
 def test_cli_rejects_a_bad_quant(tiny_pair, capsys):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear
+from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, restore_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 
@@ -208,6 +208,27 @@ class Transformer(nn.Module):
                 raise ValueError(f"a reduced vocabulary needs 1..{head.shape[0]} tokens, got {head_rows}")
             head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
         return cls(cfg, embed, blocks, take("model.norm.weight"), DenseLinear(head), decode_width)
+
+    @classmethod
+    def from_saved(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], quants: dict[str, str],
+                   head_rows_of_embed: int | None, decode_width: int | None = None) -> "Transformer":
+        """Rebuild from this class's own `state_dict()` (the packed weight cache): no dequantizing, no packing.
+
+        quants: each linear's `quant` by module name; head_rows_of_embed: the lm_head is the embedding's first
+        rows (tied weights are stored once), else None.
+        """
+
+        def linear(name: str) -> Linear:
+            prefix = name + "."
+            own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            return restore_linear(quants[name], own, tensors["embed"].dtype)
+
+        blocks = [Block(cfg, linear(f"blocks.{i}.qkv"), linear(f"blocks.{i}.o"), linear(f"blocks.{i}.gate_up"),
+                        linear(f"blocks.{i}.down"), tensors[f"blocks.{i}.attn_norm"], tensors[f"blocks.{i}.mlp_norm"])
+                  for i in range(cfg.num_layers)]
+        embed = tensors["embed"]
+        head = DenseLinear(embed[:head_rows_of_embed]) if head_rows_of_embed else linear("lm_head")
+        return cls(cfg, embed, blocks, tensors["norm"], head, decode_width)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences of up to `max_len` tokens (default: the model's context)."""

@@ -17,6 +17,8 @@ DEFAULT_INT4_GROUP = 32
 
 
 class Linear(nn.Module):
+    quant: str  # what `make_linear` was given, e.g. "int4-g64": enough to rebuild the layer from its state_dict
+
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features, self.dtype = out_features, in_features, dtype  # dtype: of activations
@@ -41,6 +43,8 @@ class DenseLinear(Linear):
     at 1.5x the speed of either (Xeon with AMX, torch 2.13).
     """
 
+    quant = "none"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[0], weight.shape[1], bias, weight.dtype)
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
@@ -54,12 +58,18 @@ class DenseLinear(Linear):
 class Int8Linear(Linear):
     """Weight-only int8, symmetric per output channel: W ~ q * scale. `torch._weight_int8pack_mm`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight.shape[0], weight.shape[1], bias, weight.dtype)
+    quant = "int8"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(q.shape[0], q.shape[1], bias, scale.dtype)
+        self.register_buffer("q", q)  # [out, in] int8
+        self.register_buffer("scale", scale)  # [out], in the activations' dtype
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
         w = weight.float()
-        scale = (w.abs().amax(1).clamp(min=1e-10) / 127).to(weight.dtype)  # [out], as the kernel will see it
-        self.register_buffer("q", (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale)
+        scale = (w.abs().amax(1).clamp(min=1e-10) / 127).to(weight.dtype)  # as the kernel will see it
+        return cls((w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8), scale, bias)
 
     def dequantized(self) -> torch.Tensor:
         return self.q.float() * self.scale.float()[:, None]
@@ -75,24 +85,35 @@ class Int4Linear(Linear):
     (scale, zero) pairs with zero = min + 8 * scale (it computes (q - 8) * scale + zero).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = DEFAULT_INT4_GROUP) -> None:
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(scale_zero.shape[1], scale_zero.shape[0] * group, bias, dtype)
+        self.group = group
+        self.register_buffer("packed", packed)  # torch's CPU int4 layout
+        self.register_buffer("scale_zero", scale_zero)  # [in / group, out, 2] bf16
+
+    @property
+    def quant(self) -> str:
+        return f"int4-g{self.group}"
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 group: int = DEFAULT_INT4_GROUP) -> "Int4Linear":
         out_features, in_features = weight.shape
         if group not in INT4_GROUP_SIZES:
             raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
         if in_features % group:
             raise InvalidRequestError(f"int4 with group size {group} needs a width that is a multiple of it; "
                                       f"this layer is {in_features} wide")
-        super().__init__(out_features, in_features, bias, weight.dtype)
-        self.group = group
         w = weight.float().reshape(out_features, in_features // group, group)
         lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
         # scale and zero as the kernel will see them (bf16), then q against exactly those
         scale = ((hi - lo).clamp(min=1e-10) / 15).to(torch.bfloat16).float()
         zero = (lo + 8 * scale).to(torch.bfloat16).float()
         q = ((w - (zero - 8 * scale)) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.register_buffer("scale_zero", torch.cat([scale, zero], -1).transpose(0, 1).contiguous()
-                             .to(torch.bfloat16))  # [in / group, out, 2]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scale_zero = torch.cat([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return cls(packed, scale_zero, group, bias, weight.dtype)
 
     def dequantized(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
@@ -118,10 +139,21 @@ def parse_quant(quant: str) -> tuple[str, int]:
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "none") -> Linear:
     kind, group = parse_quant(quant)
     if kind == "int8":
-        return Int8Linear(weight, bias)
+        return Int8Linear.quantize(weight, bias)
     if kind == "int4":
-        return Int4Linear(weight, bias, group)
+        return Int4Linear.quantize(weight, bias, group)
     return DenseLinear(weight, bias)
+
+
+def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> Linear:
+    """Rebuild a layer from its `state_dict()` and its `quant`, without quantizing again (weight cache)."""
+    kind, group = parse_quant(quant)
+    bias = tensors.get("bias")
+    if kind == "int8":
+        return Int8Linear(tensors["q"], tensors["scale"], bias)
+    if kind == "int4":
+        return Int4Linear(tensors["packed"], tensors["scale_zero"], group, bias, dtype)
+    return DenseLinear(tensors["weight"], bias)
 
 
 def invariant_rows(layer: Linear, width: int, max_multiple: int, seed: int = 0) -> int:

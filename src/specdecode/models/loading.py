@@ -15,6 +15,7 @@ from specdecode.models.decoder import Transformer
 from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer
 from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
 from specdecode.models.linear import parse_quant
+from specdecode.models.weight_cache import WeightCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -25,6 +26,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     source: Path
     load_seconds: float
+    from_cache: bool = False  # the weights came from the packed-weight cache (models/weight_cache.py)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -53,29 +55,42 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
                decode_width: int | None = None, pull_missing: bool = True,
                with_tokenizer: bool = True, quant: str = "none", head_rows: int | None = None) -> LoadedModel:
     """Load weights and tokenizer. `decode_width` turns on bit-exact fixed-width forwards; `quant` quantizes
-    the linears at load (see decoder and models/linear.py)."""
+    the linears at load (see decoder and models/linear.py). GGUF and quantized models go through the packed
+    weight cache (models/weight_cache.py), so only their first load dequantizes and packs."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     parse_quant(quant)  # a bad value fails before the slow part
     if quant != "none" and dev.type != "cpu":
         raise InvalidRequestError(f"--quant {quant} uses torch's CPU kernels; on {dev.type} use --quant none")
     t0 = time.perf_counter()
     path = resolve(str(name_or_path), pull_missing=pull_missing)
-    if path.is_dir():
-        cfg, state = load_hf_folder(path)
-        tokenizer = load_hf_tokenizer(path) if with_tokenizer else None
-    elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-        cfg, state = load_gguf(path, dtype=torch_dtype)
-        tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
-    else:
+    is_gguf = path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path))
+    if not (path.is_dir() or is_gguf):
         raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
-    try:
-        model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
-                                            quant=quant, head_rows=head_rows)
-    except KeyError as e:
-        raise ModelLoadError(f"{path}: {e.args[0]}") from e
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from e
-    return LoadedModel(model.eval(), tokenizer, path, time.perf_counter() - t0)
+    # a HF folder in the model dtype loads as fast as the cache would: only GGUF and quantized models are cached
+    cache = WeightCache.for_source(path) if is_gguf or quant != "none" else None
+    model = cache.load_model(torch_dtype, quant, head_rows, decode_width, dev) if cache else None
+    from_cache = model is not None
+    if model is None:
+        cfg, state = load_gguf(path, dtype=torch_dtype) if is_gguf else load_hf_folder(path)
+        try:
+            model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
+                                                quant=quant, head_rows=head_rows)
+        except KeyError as e:
+            raise ModelLoadError(f"{path}: {e.args[0]}") from e
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        if cache:
+            cache.store_model(model, torch_dtype, quant, head_rows)
+    tokenizer = None
+    if with_tokenizer and not is_gguf:
+        tokenizer = load_hf_tokenizer(path)
+    elif with_tokenizer:  # converting a GGUF's tokenizer takes seconds: cache it beside the weights
+        tokenizer = cache.load_tokenizer() if cache else None
+        if tokenizer is None:
+            tokenizer = load_gguf_tokenizer(path)
+            if cache:
+                cache.store_tokenizer(tokenizer)
+    return LoadedModel(model.eval(), tokenizer, path, time.perf_counter() - t0, from_cache)
 
 
 def _has_gguf_magic(path: Path) -> bool:
