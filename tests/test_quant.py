@@ -101,7 +101,7 @@ def test_cli_rejects_a_bad_quant(tiny_pair, capsys):
     assert "multiple" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module", params=[("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"),
+@pytest.fixture(scope="module", params=[("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"), ("bfloat16", "w4a8"),
                                         ("bfloat16", "int4")], ids=lambda p: "-".join(p))
 def quantized_pair(request, tiny_pair):
     dtype, quant = request.param
@@ -188,11 +188,12 @@ def test_autotune_measures_once_caches_and_survives_bad_caches(tmp_path, monkeyp
     calls = []
     real = autotune.time_rows
     monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: calls.append(1) or real(layers, rows, 1))
+    n = len(autotune.QUANTS)  # none, int8, int4, w4a8
     choice = autotune.fastest_quant(torch.bfloat16, 1)
-    assert choice in ("none", "int8", "int4") and len(calls) == 3
-    assert autotune.fastest_quant(torch.bfloat16, 1) == choice and len(calls) == 3  # cached
+    assert choice in autotune.QUANTS and len(calls) == n
+    assert autotune.fastest_quant(torch.bfloat16, 1) == choice and len(calls) == n  # cached
     (tmp_path / "autotune.json").write_text("[1, 2")  # corrupted
-    assert autotune.fastest_quant(torch.bfloat16, 1) in ("none", "int8", "int4") and len(calls) == 6
+    assert autotune.fastest_quant(torch.bfloat16, 1) in autotune.QUANTS and len(calls) == 2 * n
 
     def broken(dtype, quant, shape=autotune.PROBE_SHAPE):
         if quant != "none":

@@ -30,7 +30,7 @@ def folder(tmp_path: Path) -> Path:
     return save_tiny(tmp_path / "m", tiny_hf_model("llama", seed=3, tie_word_embeddings=False), tiny_tokenizer())
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "w4a8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_second_load_is_a_hit_and_computes_the_same(folder: Path, quant: str, dtype: str) -> None:
     first = load_model(folder, dtype=dtype, quant=quant, decode_width=9)

@@ -114,9 +114,13 @@ def _list(args: argparse.Namespace) -> int:
 
 def _runtime_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.runtime import run_runtime_bench
+    from specdecode.models.linear import parse_quant
 
+    for quant in args.quants:
+        parse_quant(quant)  # a typo fails now, not after the first model's measurements
     run_runtime_bench(args.models, args.dtypes, context=args.context, ks=args.ks, repeats=args.repeats,
-                      with_hf=not args.no_hf, bit_exact=args.bit_exact)
+                      with_hf=not args.no_hf, bit_exact=args.bit_exact, quants=args.quants,
+                      with_llama_cpp=args.llama_cpp)
     return 0
 
 
@@ -335,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--repeats", type=int, default=20)
     rb.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     rb.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
+    rb.add_argument("--quants", nargs="+", default=["none"], metavar="QUANT",
+                    help="our engine with each weight quantization: none int8 int4 int4-g64 int4-g128 w4a8")
+    rb.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF (llama-cpp-python)")
     rb.set_defaults(func=_runtime_bench)
     return parser
 

@@ -19,9 +19,9 @@ from specdecode.models.linear import Linear, invariant_rows
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
-           ("float32", "int8")]
+           ("bfloat16", "w4a8"), ("float32", "int8")]
 KS = tuple(range(1, 17))
-BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32}  # + scales (and zeros)
+BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32, "w4a8": 0.5 + 4 / 32}  # + scales
 
 
 def cpu_flags() -> list[str]:

@@ -29,11 +29,12 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, width: int | None) -> dict:
+def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, width: int | None,
+          quant: str = "none") -> dict:
     from specdecode.models.loading import load_model
 
     t = time.perf_counter()
-    m = load_model(model, dtype=dtype, decode_width=width, with_tokenizer=False).model
+    m = load_model(model, dtype=dtype, decode_width=width, with_tokenizer=False, quant=quant).model
     load_s = time.perf_counter() - t
     ids = torch.randint(0, m.config.vocab_size, (1, context + max(ks)))
     cache = m.new_cache(1, context + max(ks))
@@ -64,26 +65,55 @@ def _hf(model: str, dtype: str, context: int, ks: list[int], repeats: int) -> di
     return {"load_s": load_s, "ms": ms}
 
 
-def _child(queue, engine: str, *args) -> None:
-    result = _hf(*args[:-1]) if engine == "transformers" else _ours(*args)
+def _llama_cpp(model: str, context: int, ks: list[int], repeats: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same GGUF: k tokens evaluated after `context`, then dropped again."""
+    from llama_cpp import Llama
+
+    from specdecode.models.catalog import resolve
+
+    t = time.perf_counter()
+    llm = Llama(model_path=str(resolve(model)), n_ctx=context + max(ks) + 16, n_threads=torch.get_num_threads(),
+                n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t
+    ids = torch.randint(1000, 20000, (context + max(ks),)).tolist()
+    llm.eval(ids[:context])
+
+    def step(k: int) -> None:
+        llm.eval(ids[context:context + k])
+        llm.n_tokens = context
+        llm._ctx.kv_cache_seq_rm(-1, context, -1)  # back to the context
+
+    return {"load_s": load_s, "ms": {k: _median_ms(lambda k=k: step(k), repeats) for k in ks}}
+
+
+def _child(queue, engine: str, model: str, dtype: str, context: int, ks: list[int], repeats: int,
+           width: int | None, quant: str) -> None:
+    if engine == "transformers":
+        result = _hf(model, dtype, context, ks, repeats)
+    elif engine == "llama.cpp":
+        result = _llama_cpp(model, context, ks, repeats)
+    else:
+        result = _ours(model, dtype, context, ks, repeats, width, quant)
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     queue.put(result)
 
 
 def measure(engine: str, model: str, dtype: str, context: int, ks: list[int], repeats: int,
-            width: int | None) -> dict:
+            width: int | None, quant: str = "none") -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(q, engine, model, dtype, context, ks, repeats, width))
+    p = ctx.Process(target=_child, args=(q, engine, model, dtype, context, ks, repeats, width, quant))
     p.start()
     p.join()
     if p.exitcode != 0 or q.empty():
-        raise RuntimeError(f"{engine} measurement of {model} ({dtype}) failed (exit code {p.exitcode})")
+        raise RuntimeError(f"{engine} measurement of {model} ({dtype}, {quant}) failed (exit code {p.exitcode})")
     return q.get()
 
 
 def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 500, ks: list[int] | None = None,
-                      repeats: int = 20, with_hf: bool = True, bit_exact: bool = True) -> list[dict]:
+                      repeats: int = 20, with_hf: bool = True, bit_exact: bool = True, quants: list[str] | None = None,
+                      with_llama_cpp: bool = False) -> list[dict]:
+    """ms per forward of k tokens after `context`, per model, dtype and quant, ours beside the peers."""
     from specdecode.builder import VERIFY_WIDTH
 
     ks = ks or [1, 2, 4, 8, 16]
@@ -91,21 +121,23 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
           f"{torch.get_num_threads()} threads | context {context} | median of {repeats}")
     engines = [("specdecode bit-exact", VERIFY_WIDTH)] if bit_exact else []
     engines.append(("specdecode", None))
+    runs = [(name, width, dtype, quant) for dtype in dtypes for quant in quants or ["none"] for name, width in engines]
     if with_hf:
-        engines.append(("transformers", None))
-    header = "| model | dtype | engine | load s | peak RSS GB | " + " | ".join(f"k={k} ms" for k in ks) + \
+        runs += [("transformers", None, dtype, "none") for dtype in dtypes]
+    if with_llama_cpp:
+        runs.append(("llama.cpp", None, "gguf", "gguf"))
+    header = "| model | dtype | quant | engine | load s | peak RSS GB | " + " | ".join(f"k={k} ms" for k in ks) + \
              " | " + " | ".join(f"ms({k})/ms(1)" for k in ks if k > 1) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []
     for model in models:
-        for dtype in dtypes:
-            for name, width in engines:
-                r = measure("transformers" if name == "transformers" else "ours", model, dtype, context, ks,
-                            repeats, width)
-                ms = r["ms"]
-                print(f"| {model} | {dtype} | {name} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | "
-                      + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
-                      + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
-                rows.append({"model": model, "dtype": dtype, "engine": name, **r})
+        for name, width, dtype, quant in runs:
+            engine = name if name in ("transformers", "llama.cpp") else "ours"
+            r = measure(engine, model, dtype, context, ks, repeats, width, quant)
+            ms = r["ms"]
+            print(f"| {model} | {dtype} | {quant} | {name} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | "
+                  + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
+                  + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
+            rows.append({"model": model, "dtype": dtype, "quant": quant, "engine": name, **r})
     return rows

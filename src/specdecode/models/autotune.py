@@ -17,6 +17,7 @@ import time
 import torch
 
 from specdecode.cpu import cpu_info
+from specdecode.kernels import w4a8
 from specdecode.models.linear import QUANTS, Linear, make_linear
 
 SCHEMA = 1  # bump when what is measured changes: older cached answers are then ignored
@@ -77,6 +78,8 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = Q
         return entry["choice"]
     ms = {}
     for quant in candidates:
+        if quant == "w4a8" and w4a8.extension() is None:  # its pure-torch fallback is exact, never fast
+            continue
         try:
             ms[quant] = time_rows(streamed_layers(dtype, quant), rows)
         except Exception:  # noqa: BLE001  a kernel this CPU or torch build lacks is simply not a candidate

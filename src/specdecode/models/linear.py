@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from specdecode.errors import InvalidRequestError
+from specdecode.kernels import w4a8
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "w4a8")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
 
@@ -126,11 +127,35 @@ class Int4Linear(Linear):
         return self._matmul_bf16(rows.to(torch.bfloat16)).to(rows.dtype)
 
 
+class W4A8Linear(Linear):
+    """int4 weights (symmetric, blocks of 32) x int8 activations (per token, blocks of 32): integer dot products
+    in our C++ kernel (kernels/w4a8.py), so that a verify step of k <= 8 rows costs about what one row does."""
+
+    quant = "w4a8"
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, in_features: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(packed.shape[0], in_features, bias, dtype)
+        self.register_buffer("packed", packed)  # [out, in padded to 64 / 2] uint8, two weights per byte
+        self.register_buffer("scale", scale)  # [out, in padded / 32] float32
+        self.register_buffer("width", torch.tensor(in_features))  # the padding hides it: kept to rebuild the layer
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "W4A8Linear":
+        return cls(*w4a8.quantize_weight(weight), weight.shape[1], bias, weight.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return w4a8.dequantize(self.packed, self.scale, self.in_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return w4a8.w4a8_mm(rows, self.packed, self.scale).to(rows.dtype)
+
+
 def parse_quant(quant: str) -> tuple[str, int]:
     """'none' | 'int8' | 'int4' | 'int4-g64' ... -> (kind, int4 group size)."""
     kind, sep, group = quant.partition("-g")
     if kind not in QUANTS or (sep and (kind != "int4" or not group.isdigit())):
-        raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4 or int4-g32/64/128")
+        raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128 or w4a8")
     if sep and int(group) not in INT4_GROUP_SIZES:
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     return kind, int(group) if sep else DEFAULT_INT4_GROUP
@@ -142,6 +167,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: s
         return Int8Linear.quantize(weight, bias)
     if kind == "int4":
         return Int4Linear.quantize(weight, bias, group)
+    if kind == "w4a8":
+        return W4A8Linear.quantize(weight, bias)
     return DenseLinear(weight, bias)
 
 
@@ -153,6 +180,8 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
         return Int8Linear(tensors["q"], tensors["scale"], bias)
     if kind == "int4":
         return Int4Linear(tensors["packed"], tensors["scale_zero"], group, bias, dtype)
+    if kind == "w4a8":
+        return W4A8Linear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
     return DenseLinear(tensors["weight"], bias)
 
 

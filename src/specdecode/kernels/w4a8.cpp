@@ -1,0 +1,237 @@
+// int4 weights x int8 activations (W4A8), for decode and verify steps of k <= 16 tokens.
+//
+// Weights: symmetric int4 in blocks of 32 inputs, one float32 scale per block, stored as u = q + 8 in
+// [0, 15]. Two consecutive blocks form a "pair" of 64 inputs, packed in 32 bytes in *register order*: byte i
+// holds register position i in its low nibble and position 32 + i in its high nibble. Register position j
+// is in lane l = j / 4 (4 bytes per int32 lane of vpdpbusd), and lane l holds elements of block l % 2
+// (elements (l / 2) * 4 .. + 3 of it), so the weight scales of a pair broadcast as [s0, s1, s0, s1, ...].
+// Activations: int8 per token in blocks of 32, scale = amax / 127 (float32), q = round-half-even(x / scale),
+// laid out per pair and token in the same register order (PairRecord).
+//
+// Arithmetic, the same on every ISA path and in the pure-torch reference (kernels/w4a8.py):
+//   lane[l] = sum of its 4 products u * q - 8 * sum of its 4 q                       (exact int32)
+//   acc[l] += float(lane[l]) * (w_scale * a_scale) of block l % 2, pair after pair    (mul, then add)
+//   out = acc[0] + acc[1] + ... + acc[15], left to right.
+// Each output is the same sequence of float operations whatever k is, so the kernel is bit-exact across k
+// by construction. Built with -ffp-contract=off: a fused multiply-add would round differently.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kBlock = 32;
+constexpr int kPair = 64;
+constexpr int kMaxChunk = 8;
+constexpr int kPrefetch = 2048;  // bytes ahead in a row's weights  // tokens per pass over a weight row: accumulators must stay in registers
+
+// What the kernel reads for one pair of blocks and one token, in one 192-byte record so one pointer walks it:
+// the 64 int8 activations, -8 * the sum of each 4 of them (int32 x 16), the activation scale per lane (float x 16)
+struct alignas(64) PairRecord {
+  int8_t q[64];
+  int32_t neg8[16];
+  float scale[16];
+};
+
+// the element of its pair (0..63) that register position j holds
+constexpr int element_of(int j) { return (j / 4 % 2) * kBlock + (j / 8) * 4 + j % 4; }
+
+// x: [k, K] -> q: [k, Kp] int8, scale: [k, Kp / 32], records: [Kp / 64][k]
+void quantize_rows(const float* x, int64_t k, int64_t K, int64_t Kp, int8_t* q, float* scale, PairRecord* records) {
+  const int64_t nb = Kp / kBlock;
+  for (int64_t t = 0; t < k; ++t) {
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) {
+        const int64_t c = b * kBlock + i;
+        if (c < K) amax = std::max(amax, std::fabs(x[t * K + c]));
+      }
+      const float s = amax / 127.f;
+      scale[t * nb + b] = s;
+      for (int i = 0; i < kBlock; ++i) {
+        const int64_t c = b * kBlock + i;
+        const float v = (c < K && s > 0.f) ? std::nearbyint(x[t * K + c] / s) : 0.f;
+        q[t * Kp + c] = static_cast<int8_t>(v);
+      }
+    }
+    for (int64_t p = 0; p < Kp / kPair; ++p) {
+      PairRecord& r = records[p * k + t];
+      for (int j = 0; j < kPair; ++j) r.q[j] = q[t * Kp + p * kPair + element_of(j)];
+      for (int l = 0; l < 16; ++l) {
+        r.neg8[l] = -8 * (r.q[4 * l] + r.q[4 * l + 1] + r.q[4 * l + 2] + r.q[4 * l + 3]);
+        r.scale[l] = scale[t * nb + 2 * p + l % 2];
+      }
+    }
+  }
+}
+
+inline float sum16(const float* lanes) {
+  float s = lanes[0];
+  for (int l = 1; l < 16; ++l) s = s + lanes[l];
+  return s;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+const char* kPath = "avx512-vnni";
+
+template <int T>
+void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+               int64_t ostride) {
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  for (int64_t p = 0; p < npairs; ++p, rec += k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ws + 2 * p + kPrefetch / 4), _MM_HINT_T0);
+    // [32 bytes | the same 32 bytes] >> [0 | 4] & 0x0F: low nibbles, then high nibbles
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
+    const __m512i u = _mm512_and_si512(_mm512_srlv_epi16(both, shift), mask);
+    double two_scales;
+    std::memcpy(&two_scales, ws + 2 * p, sizeof two_scales);
+    const __m512 wsv = _mm512_castpd_ps(_mm512_set1_pd(two_scales));  // [s0, s1, s0, s1, ...]
+    for (int t = 0; t < T; ++t) {
+      const __m512i lanes = _mm512_dpbusd_epi32(_mm512_load_si512(rec[t].neg8), u, _mm512_load_si512(rec[t].q));
+      const __m512 d = _mm512_mul_ps(wsv, _mm512_load_ps(rec[t].scale));
+      acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_cvtepi32_ps(lanes), d));
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int t = 0; t < T; ++t) {
+    _mm512_store_ps(lanes, acc[t]);
+    out[t * ostride] = sum16(lanes);
+  }
+}
+
+#elif defined(__AVX2__)
+const char* kPath = "avx2";
+
+// 32 register positions: 8 int32 lanes of 4 products each, as vpdpbusd would give them (256-bit vpdpbusd
+// was slower than this on our AVX-512 Xeon, so AVX-512 CPUs take the 512-bit path above)
+inline __m256i block_lanes(__m256i u, __m256i a, __m256i init) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, a);  // |15 * 127 * 2| fits int16: no saturation
+  return _mm256_add_epi32(init, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <int T>
+void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+               int64_t ostride) {
+  __m256 lo_acc[T], hi_acc[T];  // lanes 0-7 and 8-15
+  for (int t = 0; t < T; ++t) lo_acc[t] = hi_acc[t] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t p = 0; p < npairs; ++p, rec += k) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+    const __m256i lo = _mm256_and_si256(packed, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+    double two_scales;
+    std::memcpy(&two_scales, ws + 2 * p, sizeof two_scales);
+    const __m256 wsv = _mm256_castpd_ps(_mm256_set1_pd(two_scales));  // [s0, s1, s0, s1, ...]
+    for (int t = 0; t < T; ++t) {
+      const PairRecord& r = rec[t];
+      const __m256i l0 = block_lanes(lo, _mm256_load_si256(reinterpret_cast<const __m256i*>(r.q)),
+                                     _mm256_load_si256(reinterpret_cast<const __m256i*>(r.neg8)));
+      const __m256i l1 = block_lanes(hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(r.q + 32)),
+                                     _mm256_load_si256(reinterpret_cast<const __m256i*>(r.neg8 + 8)));
+      lo_acc[t] = _mm256_add_ps(lo_acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(l0), _mm256_mul_ps(wsv, _mm256_load_ps(r.scale))));
+      hi_acc[t] = _mm256_add_ps(hi_acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(l1), _mm256_mul_ps(wsv, _mm256_load_ps(r.scale + 8))));
+    }
+  }
+  alignas(32) float lanes[16];
+  for (int t = 0; t < T; ++t) {
+    _mm256_store_ps(lanes, lo_acc[t]);
+    _mm256_store_ps(lanes + 8, hi_acc[t]);
+    out[t * ostride] = sum16(lanes);
+  }
+}
+
+#else
+const char* kPath = "scalar";
+
+template <int T>
+void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+               int64_t ostride) {
+  for (int t = 0; t < T; ++t) {
+    float acc[16] = {0.f};
+    for (int64_t p = 0; p < npairs; ++p) {
+      const PairRecord& r = rec[p * k + t];
+      for (int l = 0; l < 16; ++l) {
+        int32_t lane = r.neg8[l];
+        for (int j = 4 * l; j < 4 * l + 4; ++j) {
+          const uint8_t byte = w[p * 32 + j % 32];
+          lane += (j < 32 ? (byte & 0x0F) : (byte >> 4)) * r.q[j];
+        }
+        const float d = ws[2 * p + l % 2] * r.scale[l];
+        acc[l] = acc[l] + static_cast<float>(lane) * d;
+      }
+    }
+    out[t * ostride] = sum16(acc);
+  }
+}
+#endif
+
+using RowFn = void (*)(const uint8_t*, const float*, int64_t, const PairRecord*, int64_t, float*, int64_t);
+const RowFn kChunks[kMaxChunk + 1] = {nullptr, row_chunk<1>, row_chunk<2>, row_chunk<3>, row_chunk<4>,
+                                      row_chunk<5>, row_chunk<6>, row_chunk<7>, row_chunk<8>};
+
+}  // namespace
+
+struct Quantized {
+  torch::Tensor q, scale, records;
+};
+
+Quantized quantize(const torch::Tensor& x, int64_t Kp) {
+  const int64_t k = x.size(0);
+  Quantized r{torch::zeros({k, Kp}, torch::kInt8), torch::empty({k, Kp / kBlock}, torch::kFloat32),
+              torch::empty({Kp / kPair, k, static_cast<int64_t>(sizeof(PairRecord))}, torch::kUInt8)};
+  auto* records = reinterpret_cast<PairRecord*>(r.records.data_ptr<uint8_t>());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(records) % 64 == 0, "unaligned activation buffer");
+  quantize_rows(x.data_ptr<float>(), k, x.size(1), Kp, r.q.data_ptr<int8_t>(), r.scale.data_ptr<float>(), records);
+  return r;
+}
+
+// x: [k, K] float32 -> (q [k, Kp] int8, scale [k, Kp / 32] float32)
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [k, K] float32");
+  TORCH_CHECK(Kp % kPair == 0 && Kp >= x.size(1), "Kp must be a multiple of 64 and >= K");
+  const Quantized r = quantize(x.contiguous(), Kp);
+  return {r.q, r.scale};
+}
+
+// x: [k, K] float32; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 -> [k, N] float32
+torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [k, K] float32");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "packed must be contiguous [N, Kp / 2] uint8");
+  const int64_t k = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
+  TORCH_CHECK(Kp % kPair == 0 && Kp >= K && Kp - K < kPair, "packed width ", Kp, " does not fit inputs of ", K);
+  TORCH_CHECK(wscale.scalar_type() == torch::kFloat32 && wscale.is_contiguous() && wscale.size(0) == N &&
+              wscale.size(1) == Kp / kBlock, "wscale must be contiguous [N, Kp / 32] float32");
+  const Quantized act = quantize(x.contiguous(), Kp);
+  const auto* records = reinterpret_cast<const PairRecord*>(act.records.data_ptr<uint8_t>());
+  auto out = torch::empty({k, N}, torch::kFloat32);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* ws = wscale.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t npairs = Kp / kPair;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t t0 = 0; t0 < k; t0 += kMaxChunk) {
+        const int64_t T = std::min<int64_t>(kMaxChunk, k - t0);
+        kChunks[T](w + n * (Kp / 2), ws + n * (Kp / kBlock), npairs, records + t0, k, o + t0 * N + n, N);
+      }
+    }
+  });
+  return out;
+}
+
+std::string simd_path() { return kPath; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("w4a8_mm", &w4a8_mm, "int4 weights x int8 activations, [k, K] x [N, K]^T -> [k, N]");
+  m.def("quantize_activations", &quantize_activations, "int8 per token in blocks of 32");
+  m.def("simd_path", &simd_path, "which instruction set the kernel was built for");
+}

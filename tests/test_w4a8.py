@@ -1,0 +1,91 @@
+"""The W4A8 C++ kernel: exactly the pure-torch reference's arithmetic, bit-exact across k, close to the float matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.kernels import w4a8
+from specdecode.models.linear import W4A8Linear, invariant_rows
+
+SHAPES = [(96, 64), (40, 96), (33, 100), (70, 1536), (24, 200)]  # widths that are not multiples of 32 or 64 too
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = w4a8.extension()
+    assert module is not None, "the C++ kernel did not build (see the warning): g++ and ninja are needed"
+    return module
+
+
+def _case(N: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(N, K, generator=g) * 0.05
+    weight[0, :32] = 0  # an all-zero weight block
+    x = torch.randn(16, K, generator=g)
+    x[1, :32] = 0  # an all-zero activation block
+    x[2, 5] = 40.0  # an outlier
+    return weight, x
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_activation_quantization_equals_the_reference(ext, N, K):
+    _, x = _case(N, K)
+    Kp = w4a8.padded_width(K)
+    q, scale = ext.quantize_activations(x, Kp)
+    q_ref, scale_ref = w4a8.reference_quantize_activations(x, Kp)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_kernel_equals_the_reference_for_every_k(ext, N, K):
+    weight, x = _case(N, K)
+    packed, scale = w4a8.quantize_weight(weight)
+    for k in range(1, 17):
+        assert torch.equal(ext.w4a8_mm(x[:k], packed, scale), w4a8.reference_mm(x[:k], packed, scale)), k
+
+
+@pytest.mark.parametrize("N,K", SHAPES[:3])
+def test_each_row_is_what_it_is_alone(ext, N, K):
+    weight, x = _case(N, K, seed=1)
+    packed, scale = w4a8.quantize_weight(weight)
+    alone = torch.cat([ext.w4a8_mm(x[t:t + 1], packed, scale) for t in range(16)])
+    for k in range(1, 17):
+        assert torch.equal(ext.w4a8_mm(x[:k], packed, scale), alone[:k]), k
+    # and the measured group size of the server is the whole range asked
+    assert invariant_rows(W4A8Linear.quantize(weight), 9, 4) == 4
+
+
+def test_quantization_is_q4_0_like_and_close(ext):
+    weight, x = _case(64, 256, seed=2)
+    packed, scale = w4a8.quantize_weight(weight)
+    deq = w4a8.dequantize(packed, scale, 256)
+    step = scale.abs().repeat_interleave(32, dim=1)[:, :256]
+    err = (deq - weight).abs()
+    # half a step, except values near the opposite extreme, which clamp at 7 (as in Q4_0): one step
+    assert (err <= step + 1e-7).all() and err.mean() < step.mean() / 3
+    u = w4a8.unpack(packed)
+    assert ((err <= step / 2 + 1e-7) | (u[:, :256] == 15)).all()
+    assert int(u.min()) >= 0 and int(u.max()) <= 15 and (u[:, :256] == 0).any()  # the extreme maps to -8
+    exact = x @ weight.T
+    err = (ext.w4a8_mm(x, packed, scale) - exact).norm() / exact.norm()
+    assert err < 0.15  # int4 weights and int8 activations: about 8% on Gaussian weights
+
+
+def test_bad_shapes_give_clear_errors(ext):
+    packed, scale = w4a8.quantize_weight(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ext.w4a8_mm(torch.randn(2, 200), packed, scale)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.w4a8_mm(torch.randn(2, 64).to(torch.bfloat16), packed, scale)
+
+
+def test_the_layer_casts_and_adds_its_bias(ext):
+    weight, x = _case(40, 96)
+    bias = torch.randn(40)
+    layer = W4A8Linear.quantize(weight.to(torch.bfloat16), bias.to(torch.bfloat16))
+    y = layer(x[:3].to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 40)
+    packed, scale = w4a8.quantize_weight(weight.to(torch.bfloat16))
+    want = (ext.w4a8_mm(x[:3].to(torch.bfloat16).float(), packed, scale).to(torch.bfloat16) + bias.to(torch.bfloat16))
+    assert torch.equal(y, want)
