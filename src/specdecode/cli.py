@@ -259,13 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
     b = sub.add_parser("bench", help="Spec-Bench: our methods and peers interleaved per prompt; tables and plots",
                        description="Speedups are tokens/s ratios on the same prompts, measured in this run on this "
-                                   "machine. A method is KIND or KIND:DTYPE; `plain` in --dtype always runs first as "
-                                   "the reference. Peers need `pip install specdecode[peers]` and are skipped if "
+                                   "machine. A method is KIND[:DTYPE][:QUANT], e.g. model:bfloat16:int4; `plain` in "
+                                   "--dtype always runs first as the reference. Peers need `pip install specdecode[peers]` and are skipped if "
                                    "missing.")
     b.add_argument("--target", default=DEFAULT_TARGET)
     b.add_argument("--draft", default=DEFAULT_DRAFT)
     b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "adaptive"], metavar="METHOD",
-                   help=f"any of {', '.join(OURS + PEERS)}, optionally :float32 / :bfloat16")
+                   help=f"any of {', '.join(OURS + PEERS)}, optionally :float32 / :bfloat16 and a target "
+                        "quantization :int8 / :int4 / :w4a8 ...")
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     b.add_argument("--gamma", type=int, default=None,
                    help=f"draft length, 1..8 (default {DEFAULT_GAMMA} for the draft model, 8 for ngram lookups)")
