@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from specdecode.models import autotune
 from specdecode.models.loading import LoadedModel, load_model
 
 CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a chat template the tiny tokenizer can encode
@@ -59,20 +60,27 @@ def perturbed(model, scale: float, seed: int):
     return other
 
 
+REAL_AUTOTUNE = (autotune.fastest_quant, autotune.fastest_dtype)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _session_packed_cache(tmp_path_factory):
-    """Packed weights of the tiny models go to a folder of the test session, never to the user's cache."""
+def _session_caches(tmp_path_factory):
+    """Fast tests never time kernels nor write the user's caches: 'auto' quantization means none and 'auto'
+    dtype float32 here, and packed weights of the tiny models go to a folder of the test session."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDECODE_PACKED_CACHE", str(tmp_path_factory.mktemp("packed")))
+        mp.setattr(autotune, "fastest_quant", lambda *args, **kwargs: "none")
+        mp.setattr(autotune, "fastest_dtype", lambda *args, **kwargs: "float32")
         yield
 
 
 @pytest.fixture(autouse=True)
-def _isolated_caches(request, monkeypatch):
-    """Fast tests never time kernels nor write the user's caches ('auto' quantization means none here).
-    Slow real-model tests use the user's caches: the real models' packed weights are worth keeping."""
-    if "real_autotune" not in request.keywords and "slow" not in request.keywords:
-        monkeypatch.setattr("specdecode.models.autotune.fastest_quant", lambda *args, **kwargs: "none")
+def _real_caches_for_real_tests(request, monkeypatch):
+    """Slow real-model tests (and `real_autotune` ones) measure kernels and use the user's caches: the real
+    models' packed weights and the kernel choices are worth keeping."""
+    if "real_autotune" in request.keywords or "slow" in request.keywords:
+        monkeypatch.setattr(autotune, "fastest_quant", REAL_AUTOTUNE[0])
+        monkeypatch.setattr(autotune, "fastest_dtype", REAL_AUTOTUNE[1])
     if "slow" in request.keywords:
         monkeypatch.delenv("SPECDECODE_PACKED_CACHE")
 

@@ -203,3 +203,21 @@ def test_autotune_measures_once_caches_and_survives_bad_caches(tmp_path, monkeyp
     real_layers = autotune.streamed_layers
     monkeypatch.setattr(autotune, "streamed_layers", broken)
     assert autotune.fastest_quant(torch.float32, 2) == "none"  # only the dense kernel ran
+
+
+@pytest.mark.real_autotune
+def test_auto_dtype_is_measured_once_and_only_for_cpus(tmp_path, monkeypatch):
+    from specdecode.builder import resolve_dtype
+    from specdecode.models import autotune
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "STREAM_BYTES", 2**20)
+    ms = {torch.float32: 2.0, torch.bfloat16: 1.0}
+    calls = []
+    monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: calls.append(rows) or ms[layers[0].dtype])
+    assert resolve_dtype("auto", 9) == "bfloat16" and calls == [9, 9]
+    assert resolve_dtype("auto", 9) == "bfloat16" and calls == [9, 9]  # cached
+    ms[torch.bfloat16] = 1.95  # not faster by the margin: float32 stays
+    assert resolve_dtype("auto", 1) == "float32" and calls == [9, 9, 1, 1]
+    assert resolve_dtype("float32", 9) == "float32" and resolve_dtype("auto", 9, "cuda") == "bfloat16"
+    assert len(calls) == 4  # neither measured

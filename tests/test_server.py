@@ -61,7 +61,9 @@ def test_completion_equals_the_generate_command(server):
     with contextlib.redirect_stdout(out):
         assert cli.main(["generate", "--target", str(server.target.source), "--draft", str(server.draft.source),
                          "--prompt", "quick brown fox", "--max-new-tokens", "25", "--json"]) == 0
-    expected = json.loads(out.getvalue())["text"]
+    printed = json.loads(out.getvalue())
+    expected = printed["text"]
+    assert printed["target"] == {"dtype": "float32", "quant": "none"}  # --dtype auto: float32 in the tests
     r = server.client.completions.create(model="tiny", prompt="quick brown fox", max_tokens=25, temperature=0)
     assert r.choices[0].text == expected
 

@@ -25,6 +25,18 @@ MAX_GAMMA = VERIFY_WIDTH - 1
 DRAFT_MIN_CONFIDENCE = 0.3  # adaptive mode: the draft model stops after a token it gives less than this
 
 
+def resolve_dtype(dtype: str, rows: int, device: str = "cpu") -> str:
+    """'auto': bfloat16 where its matmuls of `rows` rows are clearly faster here (measured once, cached), else
+    float32. The dtype is part of the target model: plain and speculative decoding use the same one."""
+    if dtype != "auto":
+        return dtype
+    if torch.device(device).type != "cpu":
+        return "bfloat16"
+    from specdecode.models.autotune import fastest_dtype
+
+    return fastest_dtype(rows)
+
+
 def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu") -> str:
     """'auto': the fastest kernel on this CPU for matmuls of `rows` rows (measured once and cached)."""
     if quant != "auto":
@@ -36,18 +48,22 @@ def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu") -> str
     return fastest_quant(parse_dtype(dtype), rows)
 
 
-def load_target(target: str, *, dtype: str = "float32", device: str = "cpu", bit_exact: bool = True,
+def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
                 quant: str = "none") -> LoadedModel:
-    """quant 'auto' picks the fastest kernel for a verify step (and so changes the target's outputs: opt-in)."""
+    """dtype 'auto': the faster of float32 and bfloat16 here for a step's rows. quant 'auto' picks the fastest
+    kernel for a verify step (and so changes the target's outputs: opt-in)."""
+    rows = VERIFY_WIDTH if bit_exact else 1  # a bit-exact step always has the verify width
+    dtype = resolve_dtype(dtype, rows, device)
     return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None,
-                      quant=resolve_quant(quant, dtype, VERIFY_WIDTH, device))  # a verify step's rows
+                      quant=resolve_quant(quant, dtype, VERIFY_WIDTH, device))
 
 
-def load_draft(draft: str, *, dtype: str = "float32", device: str = "cpu", quant: str = "auto",
+def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "auto",
                batch: int = 1, vocab: int | None = None) -> LoadedModel:
     """The draft's precision never changes the output, so by default it gets whatever drafts fastest here.
     vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
     only needs q at the proposed tokens and q = 0 elsewhere)."""
+    dtype = resolve_dtype(dtype, batch, device)
     return load_model(draft, dtype=dtype, device=device, quant=resolve_quant(quant, dtype, batch, device),
                       head_rows=vocab)
 
@@ -72,7 +88,7 @@ def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, g
 
 
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
-                    gamma: int | None = None, adaptive: bool = False, dtype: str = "float32",
+                    gamma: int | None = None, adaptive: bool = False, dtype: str = "auto",
                     device: str = "cpu", bit_exact: bool = True, max_context: int | None = None,
                     quant: str = "none", draft_quant: str = "auto",
                     draft_vocab: int | None = None) -> SpeculativeGenerator:
@@ -95,7 +111,7 @@ def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue:
 
 
 def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
-              gamma: int | None = None, adaptive: bool = False, dtype: str = "float32", device: str = "cpu",
+              gamma: int | None = None, adaptive: bool = False, dtype: str = "auto", device: str = "cpu",
               bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
               draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
     if drafter not in DRAFTERS:

@@ -21,7 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gamma", type=int, default=None,
                    help=f"draft tokens per step, 1..8 (default: {DEFAULT_GAMMA} for the draft model, 8 for ngram/hybrid lookups)")
     g.add_argument("--adaptive", action="store_true", help="adapt the draft length to the acceptance")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto (default): bfloat16 where its matmuls are clearly faster on this CPU (measured once, "
+                        "cached), else float32")
     _add_quant_args(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-bit-exact", dest="bit_exact", action="store_false",
@@ -73,6 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
     result = stream.result
     assert result is not None
     out = result.to_dict()
+    out["target"] = {"dtype": str(target.model.dtype).removeprefix("torch."), "quant": target.model.blocks[0].down.quant}
     if args.compare_plain:
         plain = build_generator(target, drafter="none")
         base = plain.generate(args.prompt, **request)
@@ -86,7 +89,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"\n[{s.new_tokens} tokens in {s.total_seconds:.2f}s, {s.tokens_per_second:.2f} tok/s | "
               f"{s.target_forward_passes} target passes, mean accepted length {s.mean_accepted_length:.2f}, "
               f"acceptance {s.acceptance_rate:.1%} | draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s | "
-              f"finish: {result.finish_reason}]", file=sys.stderr)
+              f"finish: {result.finish_reason} | target in {out['target']['dtype']}, {out['target']['quant']} "
+              f"linears]", file=sys.stderr)
         if args.compare_plain:
             p = out["plain"]
             print(f"[plain decoding: {p['tokens_per_second']:.2f} tok/s; speedup {p['speedup']:.2f}x; "

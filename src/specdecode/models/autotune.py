@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -66,7 +67,25 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = Q
     A quantized kernel must beat the dense one by MARGIN: it costs acceptance (for a draft) or quality.
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
     """
-    key = f"v{SCHEMA}|{_cpu_key()}|{dtype}|{rows} rows|{','.join(candidates)}"
+    usable = [q for q in candidates if q != "w4a8" or w4a8.extension() is not None]  # its fallback is never fast
+    return _cached_choice(f"{dtype}|{rows} rows|{','.join(candidates)}",
+                          {q: lambda q=q: time_rows(streamed_layers(dtype, q), rows) for q in usable}, "none")
+
+
+def fastest_dtype(rows: int) -> str:
+    """'bfloat16' where a dense bf16 matmul of `rows` rows is faster by MARGIN than a float32 one, else 'float32'.
+
+    Measured, not guessed from flags: on AMX Xeons bf16 is flat in k and 2-4x faster than float32; on
+    AVX2-only CPUs bf16 is emulated, faster for 1 row but slower for 8 (shared/CPU.md).
+    """
+    return _cached_choice(f"dtype|{rows} rows", {d: lambda d=d: time_rows(streamed_layers(getattr(torch, d), "none"),
+                                                                          rows) for d in ("float32", "bfloat16")},
+                          "float32")
+
+
+def _cached_choice(question: str, timers: dict[str, Callable[[], float]], default: str) -> str:
+    """The fastest of `timers` (ms), `default` unless another wins by MARGIN; measured once per CPU and torch."""
+    key = f"v{SCHEMA}|{_cpu_key()}|{question}"
     path = _cache_file()
     try:
         cached = json.loads(path.read_text())
@@ -74,18 +93,16 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = Q
     except (OSError, ValueError):
         cached = {}
     entry = cached.get(key)
-    if isinstance(entry, dict) and entry.get("choice") in candidates:
+    if isinstance(entry, dict) and entry.get("choice") in timers:
         return entry["choice"]
     ms = {}
-    for quant in candidates:
-        if quant == "w4a8" and w4a8.extension() is None:  # its pure-torch fallback is exact, never fast
-            continue
+    for name, timer in timers.items():
         try:
-            ms[quant] = time_rows(streamed_layers(dtype, quant), rows)
+            ms[name] = timer()
         except Exception:  # noqa: BLE001  a kernel this CPU or torch build lacks is simply not a candidate
             continue
-    choice = min(ms, key=lambda q: ms[q] if q == "none" else ms[q] * MARGIN, default="none")
-    cached[key] = {"choice": choice, "ms": {q: round(v, 4) for q, v in ms.items()}}
+    choice = min(ms, key=lambda n: ms[n] if n == default else ms[n] * MARGIN, default=default)
+    cached[key] = {"choice": choice, "ms": {n: round(v, 4) for n, v in ms.items()}}
     try:  # write whole, then rename: concurrent processes never see half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -93,4 +110,4 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = Q
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache only costs the measurement next time
-    return cached[key]["choice"]
+    return choice
