@@ -188,7 +188,7 @@ def test_autotune_measures_once_caches_and_survives_bad_caches(tmp_path, monkeyp
     calls = []
     real = autotune.time_rows
     monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: calls.append(1) or real(layers, rows, 1))
-    n = len(autotune.QUANTS)  # none, int8, int4, w4a8
+    n = len(autotune.QUANTS) - (autotune.w4a8.extension() is None)  # w4a8 only where it builds
     choice = autotune.fastest_quant(torch.bfloat16, 1)
     assert choice in autotune.QUANTS and len(calls) == n
     assert autotune.fastest_quant(torch.bfloat16, 1) == choice and len(calls) == n  # cached

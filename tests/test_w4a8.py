@@ -72,12 +72,52 @@ def test_quantization_is_q4_0_like_and_close(ext):
     assert err < 0.15  # int4 weights and int8 activations: about 8% on Gaussian weights
 
 
+# every instruction-set path this CPU can run, each against the same reference
+ISA_PATHS = [((), None), (("-mno-avx512f",), "avx2"), (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "scalar")]
+
+
+@pytest.mark.parametrize("flags,path", ISA_PATHS, ids=["native", "avx2", "scalar"])
+def test_every_isa_path_equals_the_reference(flags, path):
+    from specdecode.cpu import cpu_info
+
+    if path == "avx2" and "avx2" not in cpu_info()[1]:
+        pytest.skip("this CPU has no AVX2")
+    variant = w4a8.extension(flags)
+    assert variant is not None, f"the {path or 'native'} build failed"
+    if path:
+        assert variant.simd_path() == path
+    for N, K in SHAPES[1:4]:
+        weight, x = _case(N, K, seed=4)
+        packed, scale = w4a8.quantize_weight(weight)
+        for k in (1, 2, 7, 8, 9, 16):
+            assert torch.equal(variant.w4a8_mm(x[:k], packed, scale), w4a8.reference_mm(x[:k], packed, scale)), (N, K, k)
+
+
+def test_nan_inf_and_tiny_activations_behave_as_the_reference(ext):
+    weight, x = _case(24, 200, seed=5)
+    x = x[:6].clone()
+    x[0, 3] = float("nan")  # its block's scale is NaN: that token's outputs are NaN
+    x[1, 40] = float("inf")
+    x[2, :64] = 1e-39  # denormal: the scale underflows, q must still be clamped to +-127
+    x[2, 70] = -3e-39
+    packed, scale = w4a8.quantize_weight(weight)
+    got, want = ext.w4a8_mm(x, packed, scale), w4a8.reference_mm(x, packed, scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[0].isnan().all() and got[3:].isfinite().all()
+    q, _ = ext.quantize_activations(x, w4a8.padded_width(200))
+    assert torch.equal(q, w4a8.reference_quantize_activations(x, w4a8.padded_width(200))[0])
+
+
 def test_bad_shapes_give_clear_errors(ext):
     packed, scale = w4a8.quantize_weight(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="does not fit"):
         ext.w4a8_mm(torch.randn(2, 200), packed, scale)
     with pytest.raises(RuntimeError, match="float32"):
         ext.w4a8_mm(torch.randn(2, 64).to(torch.bfloat16), packed, scale)
+    with pytest.raises(RuntimeError, match=r"wscale must be"):
+        ext.w4a8_mm(torch.randn(2, 64), packed, scale.flatten())
+    with pytest.raises(ValueError, match="do not fit"):  # the fallback refuses what the kernel refuses
+        w4a8.reference_mm(torch.randn(2, 200), packed, scale)
 
 
 def test_the_layer_casts_and_adds_its_bias(ext):

@@ -215,9 +215,10 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"\nfloor for {name} (weights / bandwidth), ms per token: "
               + ", ".join(f"{c} {v}" for c, v in floors.items()))
     c = report["chosen"]
-    print(f"\nchosen: target in {c['target']['dtype']} (the fastest dense kernel for a 9-row verify step; the target "
-          f"stays unquantized unless you ask with --quant, since that changes its outputs); draft {c['draft']['quant']} "
-          f"(what --draft-quant auto picks for one row; the draft's precision never changes the output)")
+    print(f"\nchosen: target in {c['target']['dtype']} (what --dtype auto picks for a 9-row verify step; the target "
+          f"stays unquantized unless you ask with --quant, since that changes its outputs); draft in "
+          f"{c['draft']['dtype']}, {c['draft']['quant']} (what --draft-quant auto picks for one row; the draft's "
+          f"precision never changes the output)")
     return 0
 
 

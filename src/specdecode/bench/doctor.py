@@ -12,9 +12,11 @@ import time
 import torch
 
 from specdecode.bench.runtime import cpu_name
+from specdecode.builder import VERIFY_WIDTH
 from specdecode.cpu import cpu_info
+from specdecode.kernels import w4a8
 from specdecode.models.config import ModelConfig
-from specdecode.models.autotune import fastest_quant, streamed_layers, time_rows
+from specdecode.models.autotune import fastest_dtype, fastest_quant, streamed_layers, time_rows
 from specdecode.models.linear import Linear, invariant_rows
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -75,13 +77,17 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
     """Everything `specdecode doctor` prints, as one JSON-able dict."""
     kernels = []
     for dtype, quant in CONFIGS:
+        if quant == "w4a8" and w4a8.extension() is None:  # timing its pure-torch fallback would say nothing
+            kernels.append({"name": "w4a8", "dtype": dtype, "quant": quant, "error": "the C++ kernel did not build"})
+            continue
         try:
             layers = streamed_layers(getattr(torch, dtype), quant, shape)
             curve = kernel_curve(layers, repeats=repeats)
         except Exception as exc:  # noqa: BLE001  a kernel this torch build or CPU lacks, or a shape it refuses
             kernels.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
             continue
-        kernels.append({"name": f"{type(layers[0]).__name__}/{dtype}", "dtype": dtype, "quant": quant,
+        name = type(layers[0]).__name__ + (f"({w4a8.extension().simd_path()})" if quant == "w4a8" else "")
+        kernels.append({"name": f"{name}/{dtype}", "dtype": dtype, "quant": quant,
                         "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
                         "bit_exact": row_invariant(layers[0]),
                         # sequences of 9 rows one matmul may hold and stay bit-exact (a server batch's group)
@@ -90,12 +96,11 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
     bandwidth = memory_bandwidth_gbs()
     floors = {name: {f"{d}/{q}": round(floor_ms(cfg, d, q, bandwidth), 1) for d, q in CONFIGS}
               for name, cfg in (models or {}).items()}
-    dense = [k for k in kernels if "ms_by_k" in k and k["quant"] == "none"]
-    # a verify step of bit-exact mode has 9 rows; the draft's kernel is what --draft-quant auto picks for 1 row
-    target_dtype = min(dense, key=lambda k: k["ms_by_k"][9])["dtype"] if dense else "float32"
+    # what --dtype auto and --draft-quant auto pick: a bit-exact verify step has 9 rows, a draft step 1
+    target_dtype, draft_dtype = fastest_dtype(VERIFY_WIDTH), fastest_dtype(1)
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": kernels, "bandwidth_gbs": round(bandwidth, 1),
             "floor_ms_per_token": floors,
             "chosen": {"target": {"dtype": target_dtype, "quant": "none"},
-                       "draft": {"dtype": target_dtype, "quant": fastest_quant(getattr(torch, target_dtype), 1)}}}
+                       "draft": {"dtype": draft_dtype, "quant": fastest_quant(getattr(torch, draft_dtype), 1)}}}

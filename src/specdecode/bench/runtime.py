@@ -115,6 +115,7 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
                       with_llama_cpp: bool = False) -> list[dict]:
     """ms per forward of k tokens after `context`, per model, dtype and quant, ours beside the peers."""
     from specdecode.builder import VERIFY_WIDTH
+    from specdecode.models.catalog import resolve
 
     ks = ks or [1, 2, 4, 8, 16]
     print(f"CPU: {cpu_name()} | torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
@@ -125,7 +126,7 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
     if with_hf:
         runs += [("transformers", None, dtype, "none") for dtype in dtypes]
     if with_llama_cpp:
-        runs.append(("llama.cpp", None, "gguf", "gguf"))
+        runs.append(("llama.cpp", None, "gguf", "gguf"))  # models that are not GGUF files are skipped below
     header = "| model | dtype | quant | engine | load s | peak RSS GB | " + " | ".join(f"k={k} ms" for k in ks) + \
              " | " + " | ".join(f"ms({k})/ms(1)" for k in ks if k > 1) + " |"
     print(header)
@@ -134,6 +135,9 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
     for model in models:
         for name, width, dtype, quant in runs:
             engine = name if name in ("transformers", "llama.cpp") else "ours"
+            if engine == "llama.cpp" and not resolve(model).is_file():
+                print(f"| {model} | – | – | llama.cpp | skipped: llama.cpp needs a GGUF file |", flush=True)
+                continue
             r = measure(engine, model, dtype, context, ks, repeats, width, quant)
             ms = r["ms"]
             print(f"| {model} | {dtype} | {quant} | {name} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | "

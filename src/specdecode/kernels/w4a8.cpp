@@ -5,7 +5,8 @@
 // holds register position i in its low nibble and position 32 + i in its high nibble. Register position j
 // is in lane l = j / 4 (4 bytes per int32 lane of vpdpbusd), and lane l holds elements of block l % 2
 // (elements (l / 2) * 4 .. + 3 of it), so the weight scales of a pair broadcast as [s0, s1, s0, s1, ...].
-// Activations: int8 per token in blocks of 32, scale = amax / 127 (float32), q = round-half-even(x / scale),
+// Activations: int8 per token in blocks of 32, scale = amax / 127 (float32), q = round-half-even(x / scale)
+// clamped to +-127 (0 where x / scale is NaN; a NaN input makes its block's scale, and so the output, NaN),
 // laid out per pair and token in the same register order (PairRecord).
 //
 // Arithmetic, the same on every ISA path and in the pure-torch reference (kernels/w4a8.py):
@@ -45,16 +46,18 @@ void quantize_rows(const float* x, int64_t k, int64_t K, int64_t Kp, int8_t* q, 
   const int64_t nb = Kp / kBlock;
   for (int64_t t = 0; t < k; ++t) {
     for (int64_t b = 0; b < nb; ++b) {
-      float amax = 0.f;
+      float amax = 0.f;  // NaN if any input is NaN, as torch's amax
       for (int i = 0; i < kBlock; ++i) {
         const int64_t c = b * kBlock + i;
-        if (c < K) amax = std::max(amax, std::fabs(x[t * K + c]));
+        const float a = c < K ? std::fabs(x[t * K + c]) : 0.f;
+        if (!(a <= amax) && !std::isnan(amax)) amax = a;  // a NaN, once seen, stays
       }
       const float s = amax / 127.f;
       scale[t * nb + b] = s;
       for (int i = 0; i < kBlock; ++i) {
         const int64_t c = b * kBlock + i;
-        const float v = (c < K && s > 0.f) ? std::nearbyint(x[t * K + c] / s) : 0.f;
+        float v = (c < K && s > 0.f) ? std::nearbyint(x[t * K + c] / s) : 0.f;
+        v = std::isnan(v) ? 0.f : std::min(127.f, std::max(-127.f, v));  // inf / inf; a denormal scale
         q[t * Kp + c] = static_cast<int8_t>(v);
       }
     }
@@ -87,7 +90,7 @@ void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairReco
   const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   for (int64_t p = 0; p < npairs; ++p, rec += k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ws + 2 * p + kPrefetch / 4), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ws + 2 * p + kPrefetch / 16), _MM_HINT_T0);
     // [32 bytes | the same 32 bytes] >> [0 | 4] & 0x0F: low nibbles, then high nibbles
     const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
     const __m512i u = _mm512_and_si512(_mm512_srlv_epi16(both, shift), mask);
@@ -124,6 +127,8 @@ void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairReco
   for (int t = 0; t < T; ++t) lo_acc[t] = hi_acc[t] = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t p = 0; p < npairs; ++p, rec += k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ws + 2 * p + kPrefetch / 16), _MM_HINT_T0);
     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     const __m256i lo = _mm256_and_si256(packed, mask);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
@@ -204,11 +209,14 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp) {
 // x: [k, K] float32; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 -> [k, N] float32
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [k, K] float32");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && wscale.device().is_cpu(),
+              "the W4A8 kernel runs on the CPU");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
               "packed must be contiguous [N, Kp / 2] uint8");
   const int64_t k = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
   TORCH_CHECK(Kp % kPair == 0 && Kp >= K && Kp - K < kPair, "packed width ", Kp, " does not fit inputs of ", K);
-  TORCH_CHECK(wscale.scalar_type() == torch::kFloat32 && wscale.is_contiguous() && wscale.size(0) == N &&
+  TORCH_CHECK(wscale.dim() == 2 && wscale.scalar_type() == torch::kFloat32 && wscale.is_contiguous() &&
+              wscale.size(0) == N &&
               wscale.size(1) == Kp / kBlock, "wscale must be contiguous [N, Kp / 32] float32");
   const Quantized act = quantize(x.contiguous(), Kp);
   const auto* records = reinterpret_cast<const PairRecord*>(act.records.data_ptr<uint8_t>());

@@ -14,6 +14,9 @@ The extension is compiled on first use with the machine's g++ (`-march=native`, 
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -24,30 +27,51 @@ import torch
 BLOCK = 32  # inputs per weight scale and per activation scale
 PAIR = 64  # two blocks: the unit the kernel packs and multiplies
 SOURCE = Path(__file__).with_name("w4a8.cpp")
+STALE_LOCK_SECONDS = 600
 # register position j of a pair holds element ELEMENT_OF[j]: lane j // 4 holds block (j // 4) % 2 (see w4a8.cpp)
 ELEMENT_OF = torch.tensor([(j // 4 % 2) * BLOCK + (j // 8) * 4 + j % 4 for j in range(PAIR)])
 POSITION_OF = torch.argsort(ELEMENT_OF)  # the inverse
 
 
 @cache
-def extension() -> ModuleType | None:
-    """The compiled kernel, or None (with a warning) where it cannot be built: `w4a8_mm` then runs the reference."""
+def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
+    """The compiled kernel, or None (with a warning) where it cannot be built: `w4a8_mm` then runs the reference.
+    isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 path on an AVX-512 CPU (tests)."""
     from torch.utils import cpp_extension
 
     from specdecode.cpu import cpu_info
     from specdecode.models.catalog import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(sorted(cpu_info()[1])).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(sorted(cpu_info()[1]) + list(isa_flags)).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     build = cache_dir() / "kernels" / f"w4a8-{key}"
+    name = f"specdecode_w4a8_{key}"
     try:
         build.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"specdecode_w4a8_{key}", sources=[str(SOURCE)], build_directory=str(build),
-                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], verbose=False)
+        lock = build / "lock"  # left behind by a build that was killed: torch would wait on it forever
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+        if not (build / f"{name}.so").exists():
+            print(f"specdecode: building the W4A8 kernel for this CPU (once, about a minute) in {build}",
+                  file=sys.stderr, flush=True)
+        _put_ninja_on_path()
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build), verbose=False,
+                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=off", *isa_flags])
     except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
-        warnings.warn(f"the W4A8 C++ kernel could not be built ({type(exc).__name__}: {str(exc)[:300]}); "
-                      "using the pure-torch reference, which is exact but slow", stacklevel=2)
+        warnings.warn(f"the W4A8 C++ kernel could not be built in {build}; using the pure-torch reference, which "
+                      f"is exact but slow. The build said: ...{str(exc)[-1500:]}", stacklevel=2)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` wheel we depend on puts it in the venv's bin, which is only on
+    PATH in an activated venv."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def padded_width(in_features: int) -> int:
@@ -92,27 +116,41 @@ def reference_quantize_activations(x: torch.Tensor, padded: int) -> tuple[torch.
     xb = torch.nn.functional.pad(x.float(), (0, padded - x.shape[1])).view(k, -1, BLOCK)
     scale = xb.abs().amax(-1) / 127
     q = torch.where(scale.unsqueeze(-1) > 0, torch.round(xb / scale.unsqueeze(-1)), 0)
+    q = q.nan_to_num(0.0, 0.0, 0.0).clamp(-127, 127)  # inf / inf; a denormal scale
     return q.to(torch.int8).view(k, padded), scale
 
 
-def reference_mm(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    """What the C++ kernel computes, operation for operation (see w4a8.cpp): [k, K] float32 -> [k, N] float32."""
+def reference_mm(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor, rows_per_chunk: int = 256
+                 ) -> torch.Tensor:
+    """What the C++ kernel computes, operation for operation (see w4a8.cpp): [k, K] float32 -> [k, N] float32.
+    Output rows are computed `rows_per_chunk` at a time to bound the integer products' memory."""
+    _check_width(x, packed)
     k, N, Kp = x.shape[0], packed.shape[0], packed.shape[1] * 2
     pairs = Kp // PAIR
     q, ascale = reference_quantize_activations(x, Kp)
-    u = _registers(packed).to(torch.int32).view(1, N, pairs, 16, 4)
     qa = q.view(k, pairs, PAIR)[..., ELEMENT_OF].to(torch.int32).view(k, 1, pairs, 16, 4)
-    lanes = ((u * qa).sum(-1) - 8 * qa.sum(-1)).float()  # [k, N, pairs, 16], exact integers
     block_of_lane = torch.arange(16) % 2
-    ws = wscale.view(1, N, pairs, 2)[..., block_of_lane]  # [1, N, pairs, 16]
     a_s = ascale.view(k, 1, pairs, 2)[..., block_of_lane]  # [k, 1, pairs, 16]
-    acc = torch.zeros(k, N, 16)
-    for p in range(pairs):
-        acc = acc + lanes[:, :, p] * (ws[:, :, p] * a_s[:, :, p])
-    out = acc[..., 0]
-    for lane in range(1, 16):
-        out = out + acc[..., lane]
-    return out
+    out = []
+    for rows in range(0, N, rows_per_chunk):
+        n = min(rows_per_chunk, N - rows)
+        u = _registers(packed[rows:rows + n]).to(torch.int32).view(1, n, pairs, 16, 4)
+        lanes = ((u * qa).sum(-1) - 8 * qa.sum(-1)).float()  # [k, n, pairs, 16], exact integers
+        ws = wscale[rows:rows + n].view(1, n, pairs, 2)[..., block_of_lane]  # [1, n, pairs, 16]
+        acc = torch.zeros(k, n, 16, dtype=torch.float32)
+        for p in range(pairs):
+            acc = acc + lanes[:, :, p] * (ws[:, :, p] * a_s[:, :, p])
+        total = acc[..., 0]
+        for lane in range(1, 16):
+            total = total + acc[..., lane]
+        out.append(total)
+    return torch.cat(out, dim=1)
+
+
+def _check_width(x: torch.Tensor, packed: torch.Tensor) -> None:
+    Kp = packed.shape[1] * 2
+    if not Kp - PAIR < x.shape[1] <= Kp:
+        raise ValueError(f"inputs of width {x.shape[1]} do not fit weights packed for width {Kp}")
 
 
 def w4a8_mm(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = Q
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
     """
     usable = [q for q in candidates if q != "w4a8" or w4a8.extension() is not None]  # its fallback is never fast
-    return _cached_choice(f"{dtype}|{rows} rows|{','.join(candidates)}",
+    return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}",
                           {q: lambda q=q: time_rows(streamed_layers(dtype, q), rows) for q in usable}, "none")
 
 

@@ -172,7 +172,7 @@ class Transformer(nn.Module):
                         quant: str = "none", head_rows: int | None = None) -> "Transformer":
         """Build from Hugging Face parameter names (GGUF loading maps to them too).
 
-        quant: weight-only quantization of every linear of the blocks ("none", "int8", "int4[-gG]"), done
+        quant: quantization of every linear of the blocks ("none", "int8", "int4[-gG]", "w4a8"), done
         layer by layer as the weights are taken. The embedding stays in `dtype` (a lookup reads one row per
         token) and so does the lm_head: kept wide for quality (llama.cpp keeps its output layer wider too),
         and on the CPUs we measured a dense bf16 head was faster than int8 at 1 and at 9 rows (`doctor`).

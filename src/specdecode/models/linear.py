@@ -152,7 +152,7 @@ class W4A8Linear(Linear):
 
 
 def parse_quant(quant: str) -> tuple[str, int]:
-    """'none' | 'int8' | 'int4' | 'int4-g64' ... -> (kind, int4 group size)."""
+    """'none' | 'int8' | 'int4' | 'int4-g64' | 'int4-g128' | 'w4a8' -> (kind, int4 group size)."""
     kind, sep, group = quant.partition("-g")
     if kind not in QUANTS or (sep and (kind != "int4" or not group.isdigit())):
         raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128 or w4a8")

@@ -4,8 +4,8 @@ A GGUF file is dequantized in Python (about 40 s for the 1.5B), its tokenizer is
 (about 10 s) and int4 packing takes another 13 s; every load gives the same tensors. So the first load saves
 the built model (safetensors) and the tokenizer, and later loads read them back. An entry is keyed by the
 source's sha256 and by everything that shapes the packed tensors: dtype, quant, reduced vocabulary, torch
-version and CPU capability (packed layouts are torch's). A changed file has another hash, so a stale entry
-is never read; old entries are only deleted by hand.
+version, CPU capability (packed layouts are torch's) and a fingerprint of our loading and packing code. A
+changed file has another hash, so a stale entry is not read; old entries are only deleted by hand.
 
 Where: `$SPECDECODE_PACKED_CACHE`, else `<cache dir>/packed`; `SPECDECODE_PACKED_CACHE=off` disables it.
 """
@@ -15,20 +15,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from dataclasses import asdict
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Transformer
 from specdecode.models.linear import Linear
 
 FORMAT = 1  # bump when what is stored changes: older entries are then not read
+# the code that decides the stored tensors: a change to dequantizing, quantizing or packing is a new entry
+_CODE = ("gguf_loader.py", "hf_loader.py", "decoder.py", "linear.py", "../kernels/w4a8.py")
 
 
 def packed_dir() -> Path | None:
@@ -56,7 +60,7 @@ class WeightCache:
     def weights_file(self, dtype: torch.dtype, quant: str, head_rows: int | None) -> Path:
         capability = torch.backends.cpu.get_cpu_capability()
         name = f"v{FORMAT}-{str(dtype).removeprefix('torch.')}-{quant}-vocab{head_rows or 'all'}" \
-               f"-torch{torch.__version__}-{capability}.safetensors"
+               f"-torch{torch.__version__}-{capability}-code{_code_fingerprint()}.safetensors"
         return self.folder / name
 
     def load_model(self, dtype: torch.dtype, quant: str, head_rows: int | None, decode_width: int | None,
@@ -65,19 +69,20 @@ class WeightCache:
         if not path.is_file():
             return None
         try:
-            with safe_open(str(path), framework="pt") as f:
+            # copies, one tensor at a time: the file's tensors are mmapped at 8-byte offsets, and torch's packed
+            # kernels need aligned memory (int8pack_mm segfaults on bfloat16 at an offset of 56)
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
                 meta = f.metadata()
-            # copies: the file's tensors are mmapped at 8-byte offsets, and torch's packed kernels need
-            # aligned memory (int8pack_mm segfaults on bfloat16 at an offset of 56)
-            tensors = {k: v.clone() for k, v in load_file(str(path), device=str(device)).items()}
+                tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
             cfg = _config_from_json(meta["config"])
             head = int(meta["head_rows_of_embed"]) if meta["head_rows_of_embed"] else None
-            return Transformer.from_saved(cfg, tensors, json.loads(meta["quants"]), head, decode_width)
-        except Exception as exc:  # noqa: BLE001  a truncated or foreign file: rebuild it rather than fail the load
+            quants = json.loads(meta["quants"])
+        except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:  # truncated or foreign: rebuild
             warnings.warn(f"ignoring unreadable packed-weight cache {path} ({type(exc).__name__}: {exc})",
                           stacklevel=2)
             path.unlink(missing_ok=True)
             return None
+        return Transformer.from_saved(cfg, tensors, quants, head, decode_width)
 
     def store_model(self, model: Transformer, dtype: torch.dtype, quant: str, head_rows: int | None) -> None:
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -110,6 +115,8 @@ class WeightCache:
         except OSError as exc:  # an existing folder (another process won) or a full disk: only costs time
             if not (self.folder / "tokenizer").is_dir():
                 warnings.warn(f"could not cache the tokenizer in {self.folder}: {exc}", stacklevel=2)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -124,6 +131,12 @@ def _write_atomic(path: Path, write) -> None:
         warnings.warn(f"could not write the packed-weight cache {path}: {exc}", stacklevel=3)
 
 
+@cache
+def _code_fingerprint() -> str:
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in _CODE)).hexdigest()[:10]
+
+
 def _config_from_json(text: str) -> ModelConfig:
     fields = json.loads(text)
     fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
@@ -132,7 +145,8 @@ def _config_from_json(text: str) -> ModelConfig:
 
 def source_digest(source: Path, memo_file: Path) -> str:
     """sha256 of a file, or of a folder's files (names and contents). Hashing a 1 GB file takes a second, so
-    each file's hash is remembered with its size and mtime and only recomputed when either changes."""
+    each file's hash is remembered with its size, mtime, ctime and inode and recomputed when any changes
+    (a copy that keeps the mtime still gets a new inode and ctime)."""
     try:
         memo = json.loads(memo_file.read_text())
         memo = memo if isinstance(memo, dict) else {}
@@ -145,13 +159,14 @@ def source_digest(source: Path, memo_file: Path) -> str:
         st = f.stat()
         key = str(f.resolve())
         entry = memo.get(key)
-        if not (isinstance(entry, list) and entry[:2] == [st.st_size, st.st_mtime_ns]):
-            entry = [st.st_size, st.st_mtime_ns, _sha256(f)]
+        identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        if not (isinstance(entry, list) and entry[:4] == identity):
+            entry = [*identity, _sha256(f)]
             memo[key], changed = entry, True
-        total.update(f"{f.relative_to(source) if f != source else f.name}:{entry[2]}\n".encode())
+        total.update(f"{f.relative_to(source) if f != source else f.name}:{entry[4]}\n".encode())
     if changed:
         _write_atomic(memo_file, lambda tmp: tmp.write_text(json.dumps(memo, indent=1)))
-    return total.hexdigest() if source.is_dir() else memo[str(source.resolve())][2]
+    return total.hexdigest() if source.is_dir() else memo[str(source.resolve())][4]
 
 
 def _sha256(path: Path) -> str:
