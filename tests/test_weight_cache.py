@@ -59,6 +59,12 @@ def test_a_changed_file_quant_dtype_or_vocabulary_is_a_miss(folder: Path) -> Non
     assert not load_model(folder, quant="int4", dtype="bfloat16").from_cache
     assert not load_model(folder, quant="int4", head_rows=32).from_cache
     assert load_model(folder, quant="int4").from_cache
+    entry = WeightCache.for_source(folder).weights_file(torch.float32, "int4", None)
+    stale = entry.with_name(entry.name.replace("-code", "-codeOLDER"))  # as left by an older version of our code
+    stale.write_bytes(b"x")
+    assert not load_model(folder, quant="int4", head_rows=33).from_cache and stale.exists()  # other settings
+    entry.unlink()
+    assert not load_model(folder, quant="int4").from_cache and not stale.exists()  # replaced
 
     changed = tiny_hf_model("llama", seed=5, tie_word_embeddings=False)  # same shapes, other weights
     save_tiny(folder, changed)

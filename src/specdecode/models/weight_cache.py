@@ -5,7 +5,8 @@ A GGUF file is dequantized in Python (about 40 s for the 1.5B), its tokenizer is
 the built model (safetensors) and the tokenizer, and later loads read them back. An entry is keyed by the
 source's sha256 and by everything that shapes the packed tensors: dtype, quant, reduced vocabulary, torch
 version, CPU capability (packed layouts are torch's) and a fingerprint of our loading and packing code. A
-changed file has another hash, so a stale entry is not read; old entries are only deleted by hand.
+changed file has another hash, so a stale entry is not read. A new entry replaces the entries of the same
+model and settings left by older torch or code; entries of files that changed are only deleted by hand.
 
 Where: `$SPECDECODE_PACKED_CACHE`, else `<cache dir>/packed`; `SPECDECODE_PACKED_CACHE=off` disables it.
 """
@@ -94,7 +95,12 @@ class WeightCache:
         meta = {"config": json.dumps(asdict(model.config)), "quants": json.dumps(quants),
                 "head_rows_of_embed": str(model.lm_head.out_features) if tied else "",
                 "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}
-        _write_atomic(self.weights_file(dtype, quant, head_rows), lambda tmp: save_file(tensors, str(tmp), meta))
+        path = self.weights_file(dtype, quant, head_rows)
+        _write_atomic(path, lambda tmp: save_file(tensors, str(tmp), meta))
+        settings = f"-{str(dtype).removeprefix('torch.')}-{quant}-vocab{head_rows or 'all'}-"
+        for older in self.folder.glob(f"v*{settings}*.safetensors"):  # same model and settings, older torch or code
+            if older != path:
+                older.unlink(missing_ok=True)
 
     def load_tokenizer(self) -> Any | None:
         folder = self.folder / "tokenizer"
