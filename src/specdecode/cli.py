@@ -34,7 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="none", metavar="Q",
                    help="weight-only quantization of the target's linears: none (default), int8 (per output channel), "
-                        "int4 (groups of 32; int4-g64 / int4-g128), or auto (the fastest kernel on this CPU). "
+                        "int4 (groups of 32; int4-g64 / int4-g128), w4a8 (our C++ int4 x int8 kernel), or auto (the "
+                        "fastest kernel on this CPU). "
                         "Quantizing the target changes its outputs")
     p.add_argument("--draft-quant", default="auto", metavar="Q",
                    help="the draft's quantization, same choices; default auto: the draft's precision never changes "
