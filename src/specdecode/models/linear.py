@@ -199,11 +199,3 @@ def invariant_rows(layer: Linear, width: int, max_multiple: int, seed: int = 0) 
         if not torch.equal(layer._matmul(x[:n * width]), alone[:n * width]):
             return n - 1
     return max_multiple
-
-
-def row_invariant(layer: Linear, max_rows: int, seed: int = 0) -> bool:
-    """Row t of every k-row matmul (k <= max_rows) equals the 1-row result (torch.equal): then a forward of
-    T < width rows needs no padding through this layer to compute what a padded one computes."""
-    x = torch.randn(max_rows, layer.in_features, generator=torch.Generator().manual_seed(seed)).to(layer.dtype)
-    one = torch.cat([layer._matmul(x[t:t + 1]) for t in range(max_rows)])
-    return all(torch.equal(layer._matmul(x[:k]), one[:k]) for k in range(2, max_rows + 1))
