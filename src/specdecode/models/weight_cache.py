@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from specdecode.models.catalog import cache_dir, file_sha256, write_atomic
 from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Transformer
 from specdecode.models.linear import Linear
@@ -42,8 +43,6 @@ def packed_dir() -> Path | None:
         return None
     if configured:
         return Path(configured).expanduser()
-    from specdecode.models.catalog import cache_dir
-
     return cache_dir() / "packed"
 
 
@@ -87,8 +86,7 @@ class WeightCache:
 
     def store_model(self, model: Transformer, dtype: torch.dtype, quant: str, head_rows: int | None) -> None:
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-        tied = model.lm_head.weight.untyped_storage().data_ptr() == model.embed.untyped_storage().data_ptr() \
-            if hasattr(model.lm_head, "weight") else False
+        tied = model.lm_head.weight.untyped_storage().data_ptr() == model.embed.untyped_storage().data_ptr()
         if tied:  # the lm_head is a view of the embedding: store it once
             del tensors["lm_head.weight"]
         quants = {name: m.quant for name, m in model.named_modules() if isinstance(m, Linear)}
@@ -126,14 +124,7 @@ class WeightCache:
 
 
 def _write_atomic(path: Path, write) -> None:
-    """Write whole, then rename: concurrent loads never read half a file. A failure only costs time later."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
+    if (exc := write_atomic(path, write)) is not None:
         warnings.warn(f"could not write the packed-weight cache {path}: {exc}", stacklevel=3)
 
 
@@ -167,17 +158,9 @@ def source_digest(source: Path, memo_file: Path) -> str:
         entry = memo.get(key)
         identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         if not (isinstance(entry, list) and entry[:4] == identity):
-            entry = [*identity, _sha256(f)]
+            entry = [*identity, file_sha256(f)]
             memo[key], changed = entry, True
         total.update(f"{f.relative_to(source) if f != source else f.name}:{entry[4]}\n".encode())
     if changed:
         _write_atomic(memo_file, lambda tmp: tmp.write_text(json.dumps(memo, indent=1)))
     return total.hexdigest() if source.is_dir() else memo[str(source.resolve())][4]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
