@@ -7,7 +7,7 @@ than streaming the weights once. The layout and the exact arithmetic are in `w4a
 computes the same float operations in the same order with torch, which the tests compare with
 `torch.equal`, and which runs where the extension cannot be built.
 
-The extension is compiled on first use with the machine's g++ (`-march=native`, about a minute) into
+The extension is compiled on first use with the machine's g++ (`-march=native`, about 25 s on our Xeon) into
 `<cache dir>/kernels/`, keyed by the source, the CPU flags and the torch version.
 """
 
@@ -52,7 +52,7 @@ def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink(missing_ok=True)
         if not (build / f"{name}.so").exists():
-            print(f"specdecode: building the W4A8 kernel for this CPU (once, about a minute) in {build}",
+            print(f"specdecode: building the W4A8 kernel for this CPU (once, about half a minute) in {build}",
                   file=sys.stderr, flush=True)
         _put_ninja_on_path()
         return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build), verbose=False,
