@@ -11,6 +11,7 @@ from specdecode.errors import InvalidRequestError
 from specdecode.models.linear import Int4Linear, Int8Linear, make_linear, parse_quant
 from specdecode.models.loading import load_model
 from tests.test_lossless import random_prompts
+from tests.test_int4_amx import needs_amx
 from tests.test_runtime import _invariance_mismatches
 
 
@@ -102,7 +103,9 @@ def test_cli_rejects_a_bad_quant(tiny_pair, capsys):
 
 
 @pytest.fixture(scope="module", params=[("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"), ("bfloat16", "w4a8"),
-                                        ("bfloat16", "int4")], ids=lambda p: "-".join(p))
+                                        ("bfloat16", "int4"), pytest.param(("bfloat16", "int4-amx"), marks=needs_amx),
+                                        pytest.param(("float32", "int4-amx"), marks=needs_amx)],
+                ids=lambda p: "-".join(p))
 def quantized_pair(request, tiny_pair):
     dtype, quant = request.param
     return (load_target(str(tiny_pair[0].source), dtype=dtype, quant=quant),
@@ -188,7 +191,7 @@ def test_autotune_measures_once_caches_and_survives_bad_caches(tmp_path, monkeyp
     calls = []
     real = autotune.time_rows
     monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: calls.append(1) or real(layers, rows, 1))
-    n = len(autotune.QUANTS) - (autotune.w4a8.extension() is None)  # w4a8 only where it builds
+    n = len(autotune.QUANTS) - (autotune.w4a8.extension() is None) - (autotune.int4_amx.extension() is None)
     choice = autotune.fastest_quant(torch.bfloat16, 1)
     assert choice in autotune.QUANTS and len(calls) == n
     assert autotune.fastest_quant(torch.bfloat16, 1) == choice and len(calls) == n  # cached

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.kernels import int4_amx
 from specdecode.models.loading import load_model
 from specdecode.models.weight_cache import WeightCache, packed_dir
 from tests.conftest import save_tiny, tiny_hf_model, tiny_tokenizer
@@ -30,7 +31,9 @@ def folder(tmp_path: Path) -> Path:
     return save_tiny(tmp_path / "m", tiny_hf_model("llama", seed=3, tie_word_embeddings=False), tiny_tokenizer())
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4", "w4a8"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "w4a8",
+                                   pytest.param("int4-amx", marks=pytest.mark.skipif(
+                                       int4_amx.extension() is None, reason="needs AMX-BF16"))])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_second_load_is_a_hit_and_computes_the_same(folder: Path, quant: str, dtype: str) -> None:
     first = load_model(folder, dtype=dtype, quant=quant, decode_width=9)

@@ -34,7 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="none", metavar="Q",
                    help="weight-only quantization of the target's linears: none (default), int8 (per output channel), "
-                        "int4 (groups of 32; int4-g64 / int4-g128), w4a8 (our C++ int4 x int8 kernel), or auto (the "
+                        "int4 (groups of 32; int4-g64 / int4-g128; torch's kernel), int4-amx (the same numbers in our AMX "
+                        "kernel: k <= 16 rows cost about one; AMX CPUs only), w4a8 (our C++ int4 x int8 kernel), or auto (the "
                         "fastest kernel on this CPU). "
                         "Quantizing the target changes its outputs")
     p.add_argument("--draft-quant", default="auto", metavar="Q",
@@ -347,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     rb.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
     rb.add_argument("--quants", nargs="+", default=["none"], metavar="QUANT",
-                    help="our engine with each weight quantization: none int8 int4 int4-g64 int4-g128 w4a8")
+                    help="our engine with each weight quantization: none int8 int4 int4-g64 int4-g128 int4-amx w4a8")
     rb.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF (llama-cpp-python)")
     rb.set_defaults(func=_runtime_bench)
     return parser

@@ -7,27 +7,22 @@ than streaming the weights once. The layout and the exact arithmetic are in `w4a
 computes the same float operations in the same order with torch, which the tests compare with
 `torch.equal`, and which runs where the extension cannot be built.
 
-The extension is compiled on first use with the machine's g++ (`-march=native`, about 25 s on our Xeon) into
-`<cache dir>/kernels/`, keyed by the source, the CPU flags and the torch version.
+The extension is compiled on first use with the machine's g++ (kernels/build.py, about 25 s on our Xeon).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
-import time
-import warnings
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from specdecode.kernels.build import build
+
 BLOCK = 32  # inputs per weight scale and per activation scale
 PAIR = 64  # two blocks: the unit the kernel packs and multiplies
 SOURCE = Path(__file__).with_name("w4a8.cpp")
-STALE_LOCK_SECONDS = 600
 # register position j of a pair holds element ELEMENT_OF[j]: lane j // 4 holds block (j // 4) % 2 (see w4a8.cpp)
 ELEMENT_OF = torch.tensor([(j // 4 % 2) * BLOCK + (j // 8) * 4 + j % 4 for j in range(PAIR)])
 POSITION_OF = torch.argsort(ELEMENT_OF)  # the inverse
@@ -37,41 +32,7 @@ POSITION_OF = torch.argsort(ELEMENT_OF)  # the inverse
 def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
     """The compiled kernel, or None (with a warning) where it cannot be built: `w4a8_mm` then runs the reference.
     isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 path on an AVX-512 CPU (tests)."""
-    from torch.utils import cpp_extension
-
-    from specdecode.cpu import cpu_info
-    from specdecode.models.catalog import cache_dir
-
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(sorted(cpu_info()[1]) + list(isa_flags)).encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
-    build = cache_dir() / "kernels" / f"w4a8-{key}"
-    name = f"specdecode_w4a8_{key}"
-    try:
-        build.mkdir(parents=True, exist_ok=True)
-        lock = build / "lock"  # left behind by a build that was killed: torch would wait on it forever
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
-        if not (build / f"{name}.so").exists():
-            print(f"specdecode: building the W4A8 kernel for this CPU (once, about half a minute) in {build}",
-                  file=sys.stderr, flush=True)
-        _put_ninja_on_path()
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build), verbose=False,
-                                  extra_cflags=["-O3", "-march=native", "-ffp-contract=off", *isa_flags])
-    except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
-        warnings.warn(f"the W4A8 C++ kernel could not be built in {build}; using the pure-torch reference, which "
-                      f"is exact but slow. The build said: ...{str(exc)[-1500:]}", stacklevel=2)
-        return None
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the `ninja` wheel we depend on puts it in the venv's bin, which is only on
-    PATH in an activated venv."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return build(SOURCE, isa_flags)
 
 
 def padded_width(in_features: int) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from specdecode.cpu import cpu_info
-from specdecode.kernels import w4a8
+from specdecode.kernels import int4_amx, w4a8
 from specdecode.models.catalog import cache_dir, write_atomic
 from specdecode.models.linear import QUANTS, Linear, make_linear
 
@@ -65,7 +65,8 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = Q
     A quantized kernel must beat the dense one by MARGIN: it costs acceptance (for a draft) or quality.
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
     """
-    usable = [q for q in candidates if q != "w4a8" or w4a8.extension() is not None]  # its fallback is never fast
+    built = {"w4a8": w4a8.extension, "int4-amx": int4_amx.extension}  # the fallback of w4a8 is never fast
+    usable = [q for q in candidates if q not in built or built[q]() is not None]
     return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}",
                           {q: lambda q=q: time_rows(streamed_layers(dtype, q), rows) for q in usable}, "none")
 

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from specdecode.errors import InvalidRequestError
-from specdecode.kernels import w4a8
+from specdecode.kernels import int4_amx, w4a8
 
-QUANTS = ("none", "int8", "int4", "w4a8")
+QUANTS = ("none", "int8", "int4", "int4-amx", "w4a8")
+GROUPED = ("int4", "int4-amx")  # the kinds that take a group size: "int4-g64"
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
 
@@ -79,6 +80,24 @@ class Int8Linear(Linear):
         return torch._weight_int8pack_mm(rows, self.q, self.scale)
 
 
+def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of `group` inputs: W ~ (q - 8) * scale + zero, q in 0..15.
+    [N, K] -> (q [N, K] int32, scale [N, K / group], zero [N, K / group] float32 holding bf16 values)."""
+    out_features, in_features = weight.shape
+    if group not in INT4_GROUP_SIZES:
+        raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
+    if in_features % group:
+        raise InvalidRequestError(f"int4 with group size {group} needs a width that is a multiple of it; "
+                                  f"this layer is {in_features} wide")
+    w = weight.float().reshape(out_features, in_features // group, group)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    # scale and zero as the kernels will see them (bf16), then q against exactly those
+    scale = ((hi - lo).clamp(min=1e-10) / 15).to(torch.bfloat16).float()
+    zero = (lo + 8 * scale).to(torch.bfloat16).float()
+    q = ((w - (zero - 8 * scale)) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+    return q, scale.squeeze(-1), zero.squeeze(-1)
+
+
 class Int4Linear(Linear):
     """Weight-only int4, asymmetric in groups of `group` inputs: W ~ q * scale + min, q in 0..15.
 
@@ -100,20 +119,9 @@ class Int4Linear(Linear):
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  group: int = DEFAULT_INT4_GROUP) -> "Int4Linear":
-        out_features, in_features = weight.shape
-        if group not in INT4_GROUP_SIZES:
-            raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
-        if in_features % group:
-            raise InvalidRequestError(f"int4 with group size {group} needs a width that is a multiple of it; "
-                                      f"this layer is {in_features} wide")
-        w = weight.float().reshape(out_features, in_features // group, group)
-        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        # scale and zero as the kernel will see them (bf16), then q against exactly those
-        scale = ((hi - lo).clamp(min=1e-10) / 15).to(torch.bfloat16).float()
-        zero = (lo + 8 * scale).to(torch.bfloat16).float()
-        q = ((w - (zero - 8 * scale)) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        q, scale, zero = int4_groups(weight, group)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        scale_zero = torch.cat([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         return cls(packed, scale_zero, group, bias, weight.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -125,6 +133,39 @@ class Int4Linear(Linear):
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return self._matmul_bf16(rows.to(torch.bfloat16)).to(rows.dtype)
+
+
+class Int4AmxLinear(Linear):
+    """The numbers of `Int4Linear` in our AMX kernel (kernels/int4_amx.py): up to 16 rows for the cost of one."""
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(out_features, packed.shape[1] * int4_amx.CHUNK, bias, dtype)
+        self.group = group
+        self.register_buffer("packed", packed)  # [out padded to 16 / 16, in / 32, 256] uint8
+        self.register_buffer("scale_zero", scale_zero)  # [out padded / 16, in / group, 32] int16 (bf16 bits)
+        self.register_buffer("width", torch.tensor(out_features))  # the padding hides it: kept to rebuild the layer
+
+    @property
+    def quant(self) -> str:
+        return f"int4-amx-g{self.group}"
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 group: int = DEFAULT_INT4_GROUP) -> "Int4AmxLinear":
+        if int4_amx.extension() is None:
+            raise InvalidRequestError("--quant int4-amx needs a CPU with AMX-BF16 (Sapphire Rapids or later) and a "
+                                      "C++ compiler; use --quant int4 here")
+        q, scale, zero = int4_groups(weight, group)
+        return cls(*int4_amx.pack(q, scale, zero), group, weight.shape[0], bias, weight.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return int4_amx.dequantize(self.packed, self.scale_zero, self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
+        y = int4_amx.int4_amx_mm(rows, self.packed, self.scale_zero, self.group, out_dtype)
+        return y[:, :self.out_features].to(rows.dtype)  # no copy where the widths are multiples of 16
 
 
 class W4A8Linear(Linear):
@@ -152,10 +193,11 @@ class W4A8Linear(Linear):
 
 
 def parse_quant(quant: str) -> tuple[str, int]:
-    """'none' | 'int8' | 'int4' | 'int4-g64' | 'int4-g128' | 'w4a8' -> (kind, int4 group size)."""
+    """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'w4a8' -> (kind, int4 group size)."""
     kind, sep, group = quant.partition("-g")
-    if kind not in QUANTS or (sep and (kind != "int4" or not group.isdigit())):
-        raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128 or w4a8")
+    if kind not in QUANTS or (sep and (kind not in GROUPED or not group.isdigit())):
+        raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128, "
+                                  "int4-amx (same, with -gG) or w4a8")
     if sep and int(group) not in INT4_GROUP_SIZES:
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     return kind, int(group) if sep else DEFAULT_INT4_GROUP
@@ -167,6 +209,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: s
         return Int8Linear.quantize(weight, bias)
     if kind == "int4":
         return Int4Linear.quantize(weight, bias, group)
+    if kind == "int4-amx":
+        return Int4AmxLinear.quantize(weight, bias, group)
     if kind == "w4a8":
         return W4A8Linear.quantize(weight, bias)
     return DenseLinear(weight, bias)
@@ -180,6 +224,8 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
         return Int8Linear(tensors["q"], tensors["scale"], bias)
     if kind == "int4":
         return Int4Linear(tensors["packed"], tensors["scale_zero"], group, bias, dtype)
+    if kind == "int4-amx":
+        return Int4AmxLinear(tensors["packed"], tensors["scale_zero"], group, int(tensors["width"]), bias, dtype)
     if kind == "w4a8":
         return W4A8Linear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
     return DenseLinear(tensors["weight"], bias)

@@ -1,0 +1,62 @@
+"""Build our C++ kernels on first use with the machine's g++, once per source, CPU and torch version.
+
+`-march=native` lets each build use what this CPU has (AVX2, AVX-512 VNNI/BF16, AMX); the sources pick
+their code path with the compiler's feature macros. `-fopenmp` makes `at::parallel_for` (inlined from
+ATen's headers into the extension) actually run on torch's threads; without it, it runs on one.
+Where a build fails (no compiler, no ninja, an old assembler), the caller gets None and a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+STALE_LOCK_SECONDS = 600
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused multiply-adds: see the sources
+
+
+def build(source: Path, isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
+    """The compiled `source` (into `<cache dir>/kernels/`), or None with a warning.
+    isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 path on an AVX-512 CPU (tests)."""
+    from torch.utils import cpp_extension
+
+    from specdecode.cpu import cpu_info
+    from specdecode.models.catalog import cache_dir
+
+    key = hashlib.sha256(source.read_bytes() + " ".join(sorted(cpu_info()[1]) + list(FLAGS + isa_flags)).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    build_dir = cache_dir() / "kernels" / f"{source.stem}-{key}"
+    name = f"specdecode_{source.stem}_{key}"
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        lock = build_dir / "lock"  # left behind by a build that was killed: torch would wait on it forever
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+        if not (build_dir / f"{name}.so").exists():
+            print(f"specdecode: building the {source.stem} kernel for this CPU (once, about half a minute) in "
+                  f"{build_dir}", file=sys.stderr, flush=True)
+        _put_ninja_on_path()
+        return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir), verbose=False,
+                                  extra_cflags=[*FLAGS, *isa_flags])
+    except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
+        warnings.warn(f"the {source.stem} C++ kernel could not be built in {build_dir}; its pure-torch reference "
+                      f"is exact but slow. The build said: ...{str(exc)[-1500:]}", stacklevel=3)
+        return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` wheel we depend on puts it in the venv's bin, which is only on
+    PATH in an activated venv."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -1,0 +1,121 @@
+"""The AMX int4 kernel: the pure-torch reference's arithmetic, bit-exact across k, the numbers of --quant int4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.errors import InvalidRequestError
+from specdecode.kernels import int4_amx
+from specdecode.models.linear import Int4AmxLinear, Int4Linear, int4_groups, invariant_rows, make_linear
+
+needs_amx = pytest.mark.skipif(int4_amx.extension() is None, reason="needs a CPU with AMX-BF16 and g++")
+SHAPES = [(32, 64, 32), (40, 128, 64), (50, 256, 128), (16, 96, 32), (24, 320, 32)]  # N not a multiple of 16 too
+
+
+def _case(N: int, K: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(N, K, generator=g) * 0.05
+    weight[0, :group] = 0  # an all-zero group
+    weight[1, 3] = 1.0  # an outlier
+    x = torch.randn(20, K, generator=g)
+    x[1, :group] = 0
+    x[2, 5] = 40.0
+    return weight, x.to(torch.bfloat16), int4_amx.pack(*int4_groups(weight, group))
+
+
+@pytest.mark.parametrize("N,K,group", SHAPES)
+def test_packing_round_trips_and_holds_the_int4_numbers(N, K, group):
+    weight, _, (packed, scale_zero) = _case(N, K, group)
+    q, scale, zero = int4_groups(weight, group)
+    q2, scale2, zero2 = int4_amx.unpack(packed, scale_zero)
+    assert torch.equal(q2[:N], q) and torch.equal(scale2[:N], scale) and torch.equal(zero2[:N], zero)
+    assert torch.equal(q2[N:], torch.full_like(q2[N:], 8)) and not scale2[N:].any()  # padding outputs are 0
+    if N % 16 == 0:  # torch's layout needs that; ours pads
+        # the same weights as torch's int4 layer (whose dequantized() goes through a bf16 matmul: bf16 rounding)
+        torch.testing.assert_close(int4_amx.dequantize(packed, scale_zero, N), Int4Linear.quantize(weight, None, group)
+                                   .dequantized(), rtol=2 ** -8, atol=1e-6)
+    step = (scale.repeat_interleave(group, 1) / 2 + 1e-6)
+    assert ((int4_amx.dequantize(packed, scale_zero, N) - weight).abs() <= step).all()
+
+
+@pytest.mark.parametrize("N,K,group", SHAPES[:2])
+def test_the_reference_is_the_dequantized_matmul(N, K, group):
+    weight, x, (packed, scale_zero) = _case(N, K, group)
+    torch.testing.assert_close(int4_amx.reference_mm(x, packed, scale_zero, group)[:, :N],
+                               x.float() @ int4_amx.dequantize(packed, scale_zero, N).T, rtol=1e-5, atol=1e-4)
+
+
+@needs_amx
+@pytest.mark.parametrize("N,K,group", SHAPES)
+def test_kernel_is_the_reference_up_to_the_order_of_additions_in_a_tile(N, K, group):
+    """Inside one TDPBF16PS the hardware orders and rounds the 32 additions its own way (the last bit of a
+    partial sum now and then); everything else is the same operations. So: equal within a few ulps of the sum
+    of the products' magnitudes, and equal for integer-valued inputs, where every partial sum is exact."""
+    _, x, (packed, scale_zero) = _case(N, K, group)
+    q, scale, zero = int4_amx.unpack(packed, scale_zero)
+    magnitude = x.float().abs() @ ((q - 8).float().abs() * scale.repeat_interleave(group, 1)).T
+    reference = int4_amx.reference_mm(x, packed, scale_zero, group)
+    for k in range(1, 21):  # more than one 16-row tile too
+        y = int4_amx.int4_amx_mm(x[:k], packed, scale_zero, group)
+        assert ((y - reference[:k]).abs() <= 8 * 2 ** -24 * magnitude[:k] + 1e-30).all(), k
+    bf16 = int4_amx.int4_amx_mm(x, packed, scale_zero, group, torch.bfloat16)
+    assert torch.equal(bf16, int4_amx.int4_amx_mm(x, packed, scale_zero, group).to(torch.bfloat16))
+    integers = torch.randint(-20, 20, (9, K)).to(torch.bfloat16)
+    assert torch.equal(int4_amx.int4_amx_mm(integers, packed, scale_zero, group),
+                       int4_amx.reference_mm(integers, packed, scale_zero, group))
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_row_is_what_it_is_alone(threads):
+    weight, x, (packed, scale_zero) = _case(200, 384, 32, seed=1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([int4_amx.int4_amx_mm(x[t:t + 1], packed, scale_zero, 32) for t in range(20)])
+        for k in range(1, 21):
+            assert torch.equal(int4_amx.int4_amx_mm(x[:k], packed, scale_zero, 32), alone[:k]), k
+    finally:
+        torch.set_num_threads(before)
+    assert invariant_rows(Int4AmxLinear.quantize(weight), 9, 4) == 4
+
+
+@needs_amx
+def test_torch_bf16_matmuls_are_unchanged_after_the_kernel_ran():
+    """oneDNN uses the AMX tiles for bf16 matmuls too and configures them itself; ours are released after use."""
+    a, b = torch.randn(64, 512).to(torch.bfloat16), torch.randn(512, 256).to(torch.bfloat16)
+    before = a @ b
+    _, x, (packed, scale_zero) = _case(32, 64, 32)
+    int4_amx.int4_amx_mm(x[:9], packed, scale_zero, 32)
+    assert torch.equal(a @ b, before)
+
+
+@needs_amx
+def test_the_layer_pads_casts_and_adds_its_bias():
+    weight, x, _ = _case(40, 128, 32)
+    bias = torch.randn(40)
+    layer = make_linear(weight, bias, "int4-amx-g64")
+    assert isinstance(layer, Int4AmxLinear) and layer.quant == "int4-amx-g64"
+    y = layer(x[:3].float())
+    assert y.shape == (3, 40) and y.dtype == torch.float32
+    torch.testing.assert_close(y, x[:3].float() @ layer.dequantized().T + bias, rtol=1e-5, atol=1e-4)
+
+
+def test_without_amx_the_quant_is_refused_clearly(monkeypatch):
+    monkeypatch.setattr(int4_amx, "extension", lambda: None)
+    with pytest.raises(InvalidRequestError, match="AMX"):
+        make_linear(torch.randn(32, 64), None, "int4-amx")
+    with pytest.raises(RuntimeError, match="AMX"):
+        int4_amx.int4_amx_mm(torch.randn(1, 64), *_case(32, 64, 32)[2], 32)
+
+
+def test_bad_shapes_and_groups_give_clear_errors():
+    with pytest.raises(InvalidRequestError, match="multiple"):
+        make_linear(torch.randn(32, 96), None, "int4-amx-g64")
+    with pytest.raises(InvalidRequestError, match="group size"):
+        make_linear(torch.randn(32, 96), None, "int4-amx-g48")
+    if int4_amx.extension() is not None:
+        _, _, (packed, scale_zero) = _case(32, 64, 32)
+        with pytest.raises(RuntimeError, match="width"):
+            int4_amx.int4_amx_mm(torch.randn(1, 96), packed, scale_zero, 32)
