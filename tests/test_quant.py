@@ -81,6 +81,21 @@ def test_the_lm_head_and_embedding_stay_dense(tiny_pair):
     assert all(isinstance(b.qkv, Int4Linear) and isinstance(b.down, Int4Linear) for b in model.blocks)
 
 
+def test_a_quantized_draft_quantizes_its_head_too_and_caches_it(tiny_pair):
+    from specdecode.builder import load_draft
+
+    first = load_draft(str(tiny_pair[1].source), dtype="float32", quant="int8")
+    second = load_draft(str(tiny_pair[1].source), dtype="float32", quant="int8")
+    assert isinstance(first.model.lm_head, Int8Linear) and isinstance(second.model.lm_head, Int8Linear)
+    assert (first.from_cache, second.from_cache) == (False, True)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    logits = [m.model(ids, torch.tensor([0]), m.model.new_cache(1, 8)) for m in (first, second)]
+    assert torch.equal(*logits)
+    # a reduced vocabulary that torch's int4 layout cannot hold keeps a dense head
+    assert not isinstance(load_draft(str(tiny_pair[1].source), dtype="float32", quant="int4", vocab=50).model.lm_head,
+                          Int4Linear)
+
+
 def test_bad_quantization_arguments():
     for bad in ["int3", "int8-g32", "int4-gx", "fp8"]:
         with pytest.raises(InvalidRequestError, match="unknown quantization"):

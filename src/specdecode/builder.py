@@ -64,8 +64,10 @@ def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: s
     vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
     only needs q at the proposed tokens and q = 0 elsewhere)."""
     dtype = resolve_dtype(dtype, batch, device)
-    return load_model(draft, dtype=dtype, device=device, quant=resolve_quant(quant, dtype, batch, device),
-                      head_rows=vocab)
+    quant = resolve_quant(quant, dtype, batch, device)
+    # the head too (a third of the 0.5B's weights), where its rows suit torch's int4 layout
+    head_quant = quant if vocab is None or vocab % 16 == 0 else "none"
+    return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=head_quant)
 
 
 def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,

@@ -116,7 +116,7 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
     from specdecode.bench import peers
 
     targets: dict[tuple[str, str], LoadedModel] = {}  # (dtype, quant) -> model
-    drafts: dict[tuple[str, str], LoadedModel] = {}
+    drafts: dict[str, LoadedModel] = {}
     methods: list[Method] = []
     for spec in specs:
         name = spec.name(default_dtype)
@@ -127,9 +127,9 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
             cfg = _OUR_CONFIG[spec.kind]
             dft = None
             if cfg["drafter"] in WITH_DRAFT_MODEL:
-                if key not in drafts:  # the draft in the method's quant, or the fastest here (as our default)
-                    drafts[key] = load_draft(draft, dtype=spec.dtype, quant="auto" if spec.quant == "none" else spec.quant)
-                dft = drafts[key]
+                if spec.dtype not in drafts:  # the fastest draft here, as our default: it never changes the output
+                    drafts[spec.dtype] = load_draft(draft, dtype=spec.dtype)
+                dft = drafts[spec.dtype]
             gen = build_generator(targets[key], draft=dft, gamma=gamma, **cfg)
             methods.append(EngineMethod(name, gen, coupling))
         else:

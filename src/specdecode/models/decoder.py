@@ -169,7 +169,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", decode_width: int | None = None,
-                        quant: str = "none", head_rows: int | None = None) -> "Transformer":
+                        quant: str = "none", head_rows: int | None = None, head_quant: str = "none") -> "Transformer":
         """Build from Hugging Face parameter names (GGUF loading maps to them too).
 
         quant: quantization of every linear of the blocks ("none", "int8", "int4[-gG]", "w4a8"), done
@@ -178,6 +178,8 @@ class Transformer(nn.Module):
         and on the CPUs we measured a dense bf16 head was faster than int8 at 1 and at 9 rows (`doctor`).
         head_rows: keep only the lm_head's first rows (a draft's reduced vocabulary: logits for token ids
         below it; byte-level BPE vocabularies list their most frequent merges first).
+        head_quant: the lm_head's quantization: "none" for targets; a draft's may be quantized, since its
+        precision only changes how often its tokens are accepted (its head is a third of its weights).
         """
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -207,7 +209,7 @@ class Transformer(nn.Module):
             if not 1 <= head_rows <= head.shape[0]:
                 raise ValueError(f"a reduced vocabulary needs 1..{head.shape[0]} tokens, got {head_rows}")
             head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
-        return cls(cfg, embed, blocks, take("model.norm.weight"), DenseLinear(head), decode_width)
+        return cls(cfg, embed, blocks, take("model.norm.weight"), make_linear(head, None, head_quant), decode_width)
 
     @classmethod
     def from_saved(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], quants: dict[str, str],

@@ -53,12 +53,14 @@ def parse_device(device: str) -> torch.device:
 
 def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                decode_width: int | None = None, pull_missing: bool = True,
-               with_tokenizer: bool = True, quant: str = "none", head_rows: int | None = None) -> LoadedModel:
+               with_tokenizer: bool = True, quant: str = "none", head_rows: int | None = None,
+               head_quant: str = "none") -> LoadedModel:
     """Load weights and tokenizer. `decode_width` turns on bit-exact fixed-width forwards; `quant` quantizes
-    the linears at load (see decoder and models/linear.py). GGUF and quantized models go through the packed
+    the blocks' linears at load, `head_quant` the lm_head (see decoder and models/linear.py). GGUF and quantized
+    models go through the packed
     weight cache (models/weight_cache.py), so only their first load dequantizes and packs."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
-    parse_quant(quant)  # a bad value fails before the slow part
+    parse_quant(quant), parse_quant(head_quant)  # a bad value fails before the slow part
     if quant != "none" and dev.type != "cpu":
         raise InvalidRequestError(f"--quant {quant} uses torch's CPU kernels; on {dev.type} use --quant none")
     t0 = time.perf_counter()
@@ -68,19 +70,20 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
         raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
     # a HF folder in the model dtype loads as fast as the cache would: only GGUF and quantized models are cached
     cache = WeightCache.for_source(path) if is_gguf or quant != "none" else None
-    model = cache.load_model(torch_dtype, quant, head_rows, decode_width, dev) if cache else None
+    settings = quant if head_quant == "none" else f"{quant}-head{head_quant}"  # what the cache files are keyed by
+    model = cache.load_model(torch_dtype, settings, head_rows, decode_width, dev) if cache else None
     from_cache = model is not None
     if model is None:
         cfg, state = load_gguf(path, dtype=torch_dtype) if is_gguf else load_hf_folder(path)
         try:
             model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
-                                                quant=quant, head_rows=head_rows)
+                                                quant=quant, head_rows=head_rows, head_quant=head_quant)
         except KeyError as e:
             raise ModelLoadError(f"{path}: {e.args[0]}") from e
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         if cache:
-            cache.store_model(model, torch_dtype, quant, head_rows)
+            cache.store_model(model, torch_dtype, settings, head_rows)
     tokenizer = None
     if with_tokenizer and not is_gguf:
         tokenizer = load_hf_tokenizer(path)

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from specdecode.models.catalog import cache_dir, file_sha256, write_atomic
 from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Transformer
-from specdecode.models.linear import Linear
+from specdecode.models.linear import DenseLinear, Linear
 
 FORMAT = 1  # bump when what is stored changes: older entries are then not read
 # the code that decides the stored tensors: a change to dequantizing, quantizing or packing is a new entry
@@ -86,7 +86,8 @@ class WeightCache:
 
     def store_model(self, model: Transformer, dtype: torch.dtype, quant: str, head_rows: int | None) -> None:
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-        tied = model.lm_head.weight.untyped_storage().data_ptr() == model.embed.untyped_storage().data_ptr()
+        tied = isinstance(model.lm_head, DenseLinear) and \
+            model.lm_head.weight.untyped_storage().data_ptr() == model.embed.untyped_storage().data_ptr()
         if tied:  # the lm_head is a view of the embedding: store it once
             del tensors["lm_head.weight"]
         quants = {name: m.quant for name, m in model.named_modules() if isinstance(m, Linear)}
