@@ -8,10 +8,11 @@ import torch
 from specdecode import cli
 from specdecode.builder import build_generator, load_target
 from specdecode.errors import InvalidRequestError
-from specdecode.models.linear import Int4Linear, Int8Linear, make_linear, parse_quant
+from specdecode.models.linear import DenseLinear, Int4Linear, Int8Linear, make_linear, parse_quant
 from specdecode.models.loading import load_model
-from tests.test_lossless import random_prompts
+from tests.conftest import save_tiny, tiny_hf_model, tiny_tokenizer
 from tests.test_int4_amx import needs_amx
+from tests.test_lossless import random_prompts
 from tests.test_runtime import _invariance_mismatches
 
 
@@ -92,8 +93,23 @@ def test_a_quantized_draft_quantizes_its_head_too_and_caches_it(tiny_pair):
     logits = [m.model(ids, torch.tensor([0]), m.model.new_cache(1, 8)) for m in (first, second)]
     assert torch.equal(*logits)
     # a reduced vocabulary that torch's int4 layout cannot hold keeps a dense head
-    assert not isinstance(load_draft(str(tiny_pair[1].source), dtype="float32", quant="int4", vocab=50).model.lm_head,
-                          Int4Linear)
+    assert isinstance(load_draft(str(tiny_pair[1].source), dtype="float32", quant="int4", vocab=50).model.lm_head,
+                      DenseLinear)
+    # the same file as a target (dense head) is another cache entry
+    as_target = [load_model(tiny_pair[1].source, dtype="float32", quant="int8") for _ in range(2)]
+    assert [m.from_cache for m in as_target] == [False, True]
+    assert isinstance(as_target[1].model.lm_head, DenseLinear)
+
+
+def test_a_tied_draft_head_is_quantized_apart_from_its_embedding(tmp_path):
+    from specdecode.builder import load_draft
+
+    folder = save_tiny(tmp_path / "tied", tiny_hf_model("qwen2", seed=4, tie_word_embeddings=True), tiny_tokenizer())
+    first, second = (load_draft(str(folder), dtype="float32", quant="int8") for _ in range(2))
+    assert (first.from_cache, second.from_cache) == (False, True)
+    assert isinstance(second.model.lm_head, Int8Linear) and second.model.embed.shape == (64, 64)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(*(m.model(ids, torch.tensor([0]), m.model.new_cache(1, 8)) for m in (first, second)))
 
 
 def test_bad_quantization_arguments():

@@ -64,10 +64,8 @@ def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: s
     vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
     only needs q at the proposed tokens and q = 0 elsewhere)."""
     dtype = resolve_dtype(dtype, batch, device)
-    quant = resolve_quant(quant, dtype, batch, device)
-    # the head too (a third of the 0.5B's weights), where its rows suit torch's int4 layout
-    head_quant = quant if vocab is None or vocab % 16 == 0 else "none"
-    return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=head_quant)
+    quant = resolve_quant(quant, dtype, batch, device)  # the head too: a third of the 0.5B's weights
+    return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=quant)
 
 
 def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,

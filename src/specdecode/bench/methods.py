@@ -1,8 +1,8 @@
 """Benchmark methods: one interface over our engine's configurations and the peers (transformers, llama.cpp).
 
 A method is named `kind[:dtype][:quant]` (e.g. `plain`, `model:float32`, `plain:int4`, `hf-plain:bfloat16`);
-without a dtype it runs in the bench's `--dtype`, without a quant unquantized (quant applies to target and
-draft, ours only). Every method decodes the same prompt token ids.
+without a dtype it runs in the bench's `--dtype`, without a quant unquantized (quant applies to our target;
+the draft is always the fastest here, as `--draft-quant auto`). Every method decodes the same prompt token ids.
 """
 
 from __future__ import annotations

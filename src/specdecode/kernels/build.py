@@ -4,6 +4,7 @@
 their code path with the compiler's feature macros. `-fopenmp` makes `at::parallel_for` (inlined from
 ATen's headers into the extension) actually run on torch's threads; without it, it runs on one.
 Where a build fails (no compiler, no ninja, an old assembler), the caller gets None and a warning.
+The extensions link no OpenMP runtime of their own: they use the one torch's wheel loads.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def build(source: Path, isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
         return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir), verbose=False,
                                   extra_cflags=[*FLAGS, *isa_flags])
     except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
-        warnings.warn(f"the {source.stem} C++ kernel could not be built in {build_dir}; its pure-torch reference "
-                      f"is exact but slow. The build said: ...{str(exc)[-1500:]}", stacklevel=3)
+        warnings.warn(f"the {source.stem} C++ kernel could not be built in {build_dir} (w4a8 then runs its slow "
+                      f"pure-torch reference; int4-amx is unavailable). The build said: ...{str(exc)[-1500:]}",
+                      stacklevel=3)
         return None
 
 

@@ -26,11 +26,12 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define SPECDECODE_AMX 1
 #endif
 
@@ -194,7 +195,7 @@ torch::Tensor int4_amx_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [k, K] bfloat16");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
               packed.size(2) == kChunkBytes, "packed must be contiguous [N / 16, K / 32, 256] uint8");
-  TORCH_CHECK(group % kChunk == 0 && group > 0, "group must be a multiple of 32");
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group must be 32, 64 or 128");  // buffers below
   const int64_t k = x.size(0), K = x.size(1), NT = packed.size(0), N = NT * 16, G = K / group;
   TORCH_CHECK(K % group == 0 && packed.size(1) * kChunk == K, "inputs of width ", K, " do not fit weights packed for ",
               packed.size(1) * kChunk);
@@ -214,7 +215,7 @@ torch::Tensor int4_amx_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t osize = out.element_size();
   const int cpg = static_cast<int>(group / kChunk);
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t btile[16 * 512];  // up to 4 groups of 128 inputs
+    alignas(64) uint16_t btile[16 * 512];  // 4 groups of up to 128 inputs
     alignas(64) float cbuf[4 * 256];
     for (int64_t m0 = 0; m0 < k; m0 += kMaxRows) {
       const int M = static_cast<int>(std::min<int64_t>(kMaxRows, k - m0));

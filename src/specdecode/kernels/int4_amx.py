@@ -94,9 +94,11 @@ def int4_amx_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [k, K] (any float dtype, rounded to bf16) times the packed weights -> [k, Np] float32, or bfloat16
     (rounded in the kernel as `.to(torch.bfloat16)` would, denormals aside)."""
+    if group not in (32, 64, 128):
+        raise ValueError(f"the int4-amx kernel takes groups of 32, 64 or 128 inputs, not {group}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the int4-amx kernel writes float32 or bfloat16, not {out_dtype}")
     ext = extension()
     if ext is None:
         raise RuntimeError("the int4-amx kernel needs a CPU with AMX-BF16; use --quant int4 here")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the int4-amx kernel writes float32 or bfloat16, not {out_dtype}")
     return ext.int4_amx_mm(x.to(torch.bfloat16).contiguous(), packed, scale_zero, group, out_dtype == torch.bfloat16)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, restore_linear
+from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, parse_quant, restore_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 
@@ -172,10 +172,9 @@ class Transformer(nn.Module):
                         quant: str = "none", head_rows: int | None = None, head_quant: str = "none") -> "Transformer":
         """Build from Hugging Face parameter names (GGUF loading maps to them too).
 
-        quant: quantization of every linear of the blocks ("none", "int8", "int4[-gG]", "w4a8"), done
-        layer by layer as the weights are taken. The embedding stays in `dtype` (a lookup reads one row per
-        token) and so does the lm_head: kept wide for quality (llama.cpp keeps its output layer wider too),
-        and on the CPUs we measured a dense bf16 head was faster than int8 at 1 and at 9 rows (`doctor`).
+        quant: quantization of every linear of the blocks ("none", "int8", "int4[-gG]", "int4-amx[-gG]", "w4a8"),
+        done layer by layer as the weights are taken. The embedding stays in `dtype` (a lookup reads one row
+        per token); a target's lm_head too: kept wide for quality (llama.cpp keeps its output layer wider).
         head_rows: keep only the lm_head's first rows (a draft's reduced vocabulary: logits for token ids
         below it; byte-level BPE vocabularies list their most frequent merges first).
         head_quant: the lm_head's quantization: "none" for targets; a draft's may be quantized, since its
@@ -209,6 +208,8 @@ class Transformer(nn.Module):
             if not 1 <= head_rows <= head.shape[0]:
                 raise ValueError(f"a reduced vocabulary needs 1..{head.shape[0]} tokens, got {head_rows}")
             head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
+        if parse_quant(head_quant)[0] == "int4" and head.shape[0] % 16:
+            head_quant = "none"  # torch's int4 layout needs rows in multiples of 16 (a reduced vocabulary may not)
         return cls(cfg, embed, blocks, take("model.norm.weight"), make_linear(head, None, head_quant), decode_width)
 
     @classmethod

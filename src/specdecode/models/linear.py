@@ -153,10 +153,8 @@ class Int4AmxLinear(Linear):
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  group: int = DEFAULT_INT4_GROUP) -> "Int4AmxLinear":
-        if int4_amx.extension() is None:
-            raise InvalidRequestError("--quant int4-amx needs a CPU with AMX-BF16 (Sapphire Rapids or later) and a "
-                                      "C++ compiler; use --quant int4 here")
         q, scale, zero = int4_groups(weight, group)
+        _require_amx()
         return cls(*int4_amx.pack(q, scale, zero), group, weight.shape[0], bias, weight.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -165,7 +163,13 @@ class Int4AmxLinear(Linear):
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         out_dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
         y = int4_amx.int4_amx_mm(rows, self.packed, self.scale_zero, self.group, out_dtype)
-        return y[:, :self.out_features].to(rows.dtype)  # no copy where the widths are multiples of 16
+        return y[:, :self.out_features].contiguous().to(rows.dtype)  # no copy where the width is a multiple of 16
+
+
+def _require_amx() -> None:
+    if int4_amx.extension() is None:
+        raise InvalidRequestError("--quant int4-amx needs a CPU with AMX-BF16 (Sapphire Rapids or later) and a "
+                                  "C++ compiler; use --quant int4 here")
 
 
 class W4A8Linear(Linear):
@@ -224,7 +228,8 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
         return Int8Linear(tensors["q"], tensors["scale"], bias)
     if kind == "int4":
         return Int4Linear(tensors["packed"], tensors["scale_zero"], group, bias, dtype)
-    if kind == "int4-amx":
+    if kind == "int4-amx":  # a cache written on another CPU, or a kernel that no longer builds
+        _require_amx()
         return Int4AmxLinear(tensors["packed"], tensors["scale_zero"], group, int(tensors["width"]), bias, dtype)
     if kind == "w4a8":
         return W4A8Linear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)

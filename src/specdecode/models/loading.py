@@ -60,16 +60,17 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     models go through the packed
     weight cache (models/weight_cache.py), so only their first load dequantizes and packs."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
-    parse_quant(quant), parse_quant(head_quant)  # a bad value fails before the slow part
-    if quant != "none" and dev.type != "cpu":
-        raise InvalidRequestError(f"--quant {quant} uses torch's CPU kernels; on {dev.type} use --quant none")
+    for q in (quant, head_quant):
+        parse_quant(q)  # a bad value fails before the slow part
+        if q != "none" and dev.type != "cpu":
+            raise InvalidRequestError(f"--quant {q} uses CPU kernels; on {dev.type} use --quant none")
     t0 = time.perf_counter()
     path = resolve(str(name_or_path), pull_missing=pull_missing)
     is_gguf = path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path))
     if not (path.is_dir() or is_gguf):
         raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
     # a HF folder in the model dtype loads as fast as the cache would: only GGUF and quantized models are cached
-    cache = WeightCache.for_source(path) if is_gguf or quant != "none" else None
+    cache = WeightCache.for_source(path) if is_gguf or quant != "none" or head_quant != "none" else None
     settings = quant if head_quant == "none" else f"{quant}-head{head_quant}"  # what the cache files are keyed by
     model = cache.load_model(torch_dtype, settings, head_rows, decode_width, dev) if cache else None
     from_cache = model is not None
