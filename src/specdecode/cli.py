@@ -203,14 +203,14 @@ def _doctor(args: argparse.Namespace) -> int:
           f"capability {report['capability']}, {report['threads']} threads")
     print(f"memory bandwidth: {report['bandwidth_gbs']} GB/s")
     print(f"\nkernels, one {args.shape[0]}x{args.shape[1]} projection, ms for k rows (median of {args.repeats}):")
-    print(f"{'kernel':22s} " + " ".join(f"{k:>6d}" for k in (1, 2, 4, 8, 9, 16))
+    print(f"{'kernel':34s} " + " ".join(f"{k:>6d}" for k in (1, 2, 4, 8, 9, 16))
           + "   ms(8)/ms(1)  sequences/matmul  row-invariant")
     for k in report["kernels"]:
         if "error" in k:
-            print(f"{k['name']:22s} unavailable: {k['error']}")
+            print(f"{k['name']:34s} unavailable: {k['error']}")
             continue
         ms = k["ms_by_k"]
-        print(f"{k['name']:22s} " + " ".join(f"{ms[n]:6.2f}" for n in (1, 2, 4, 8, 9, 16))
+        print(f"{k['name']:34s} " + " ".join(f"{ms[n]:6.2f}" for n in (1, 2, 4, 8, 9, 16))
               + f"   {k['flatness_8_over_1']:>11.2f}  {k['invariant_sequences']:>16d}  "
               + ("yes" if k["bit_exact"] else "no (bit-exact mode pads to 9 rows)"))
     for name, floors in report["floor_ms_per_token"].items():
@@ -218,7 +218,8 @@ def _doctor(args: argparse.Namespace) -> int:
               + ", ".join(f"{c} {v}" for c, v in floors.items()))
     c = report["chosen"]
     print(f"\nchosen: target in {c['target']['dtype']} (what --dtype auto picks for a 9-row verify step; the target "
-          f"stays unquantized unless you ask with --quant, since that changes its outputs); draft in "
+          f"stays unquantized unless you ask with --quant, since that changes its outputs; --quant auto would take "
+          f"{c['target']['quant_auto']}); draft in "
           f"{c['draft']['dtype']}, {c['draft']['quant']} (what --draft-quant auto picks for one row; the draft's "
           f"precision never changes the output)")
     return 0

@@ -107,5 +107,6 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": kernels, "bandwidth_gbs": round(bandwidth, 1),
             "floor_ms_per_token": floors,
-            "chosen": {"target": {"dtype": target_dtype, "quant": "none"},
+            "chosen": {"target": {"dtype": target_dtype, "quant": "none",
+                                  "quant_auto": fastest_quant(getattr(torch, target_dtype), VERIFY_WIDTH)},
                        "draft": {"dtype": draft_dtype, "quant": fastest_quant(getattr(torch, draft_dtype), 1)}}}

@@ -201,7 +201,7 @@ def parse_quant(quant: str) -> tuple[str, int]:
     kind, sep, group = quant.partition("-g")
     if kind not in QUANTS or (sep and (kind not in GROUPED or not group.isdigit())):
         raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128, "
-                                  "int4-amx (same, with -gG) or w4a8")
+                                  "int4-amx (same, with -gG), w4a8 or auto")
     if sep and int(group) not in INT4_GROUP_SIZES:
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     return kind, int(group) if sep else DEFAULT_INT4_GROUP
