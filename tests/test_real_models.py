@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdecode.bench.spec_bench import DEFAULT_QUESTIONS, load_questions
-from specdecode.builder import build_generator, load_target
+from specdecode.builder import build_generator, load_draft, load_target
+from specdecode.kernels import int4_amx
 from specdecode.models.catalog import resolve
 from specdecode.models.loading import load_model
 
@@ -49,6 +50,19 @@ def test_greedy_speculative_equals_plain_on_spec_bench(case):
         a = plain.generate(prompt, chat=True, max_new_tokens=48)
         b = spec.generate(prompt, chat=True, max_new_tokens=48)
         assert a.token_ids == b.token_ids, prompt
+
+
+@pytest.mark.skipif(int4_amx.extension() is None, reason="needs a CPU with AMX-BF16")
+def test_greedy_speculative_equals_plain_with_an_int4_amx_target():
+    """Our AMX kernel in bit-exact mode, with the draft --draft-quant auto gives (its lm_head quantized too)."""
+    target = load_target("qwen2.5-coder-1.5b-instruct", dtype="bfloat16", quant="int4-amx")
+    draft = load_draft("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
+    plain = build_generator(target, drafter="none")
+    specs = [build_generator(target, draft=draft, drafter=d) for d in ("model", "hybrid")]
+    for prompt in spec_bench_prompts(20):
+        expected = plain.generate(prompt, chat=True, max_new_tokens=48).token_ids
+        for spec in specs:
+            assert spec.generate(prompt, chat=True, max_new_tokens=48).token_ids == expected, prompt
 
 
 def test_spec_bench_40_prompts_256_tokens_no_greedy_mismatch(tmp_path):
