@@ -14,10 +14,10 @@ import torch
 from specdecode.bench.runtime import cpu_name
 from specdecode.builder import VERIFY_WIDTH
 from specdecode.cpu import cpu_info
-from specdecode.kernels import int4_amx, w4a8
+from specdecode.kernels import w4a8
 from specdecode.models.config import ModelConfig
 from specdecode.models.autotune import fastest_dtype, fastest_quant, streamed_layers, time_rows
-from specdecode.models.linear import Linear, invariant_rows
+from specdecode.models.linear import Linear, invariant_rows, kernel_available
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
@@ -78,12 +78,9 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
     """Everything `specdecode doctor` prints, as one JSON-able dict."""
     kernels = []
     for dtype, quant in CONFIGS:
-        if quant == "w4a8" and w4a8.extension() is None:  # timing its pure-torch fallback would say nothing
-            kernels.append({"name": "w4a8", "dtype": dtype, "quant": quant, "error": "the C++ kernel did not build"})
-            continue
-        if quant == "int4-amx" and int4_amx.extension() is None:
-            kernels.append({"name": "int4-amx", "dtype": dtype, "quant": quant,
-                            "error": "needs AMX-BF16 and a C++ compiler"})
+        if not kernel_available(quant):  # timing w4a8's pure-torch fallback would say nothing
+            kernels.append({"name": quant, "dtype": dtype, "quant": quant,
+                            "error": "our C++ kernel did not build here (int4-amx also needs AMX-BF16)"})
             continue
         try:
             layers = streamed_layers(getattr(torch, dtype), quant, shape)

@@ -17,9 +17,8 @@ from collections.abc import Callable
 import torch
 
 from specdecode.cpu import cpu_info
-from specdecode.kernels import int4_amx, w4a8
 from specdecode.models.catalog import cache_dir, write_atomic
-from specdecode.models.linear import QUANTS, Linear, make_linear
+from specdecode.models.linear import QUANTS, Linear, kernel_available, make_linear
 
 SCHEMA = 2  # bump when what is measured changes: older cached answers are then ignored (2: kernels on all threads)
 MARGIN = 1.1  # a quantized kernel is chosen only if it is this much faster than the dense one
@@ -65,8 +64,7 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = Q
     A quantized kernel must beat the dense one by MARGIN: it costs acceptance (for a draft) or quality.
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
     """
-    built = {"w4a8": w4a8.extension, "int4-amx": int4_amx.extension}  # our kernels: only where they build (and run)
-    usable = [q for q in candidates if q not in built or built[q]() is not None]
+    usable = [q for q in candidates if kernel_available(q)]
     return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}",
                           {q: lambda q=q: time_rows(streamed_layers(dtype, q), rows) for q in usable}, "none")
 

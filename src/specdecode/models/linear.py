@@ -14,6 +14,7 @@ from specdecode.kernels import int4_amx, w4a8
 
 QUANTS = ("none", "int8", "int4", "int4-amx", "w4a8")
 GROUPED = ("int4", "int4-amx")  # the kinds that take a group size: "int4-g64"
+OUR_KERNELS = {"w4a8": w4a8, "int4-amx": int4_amx}  # kinds whose kernel is our C++ build, by module
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
 
@@ -167,7 +168,7 @@ class Int4AmxLinear(Linear):
 
 
 def _require_amx() -> None:
-    if int4_amx.extension() is None:
+    if not kernel_available("int4-amx"):
         raise InvalidRequestError("--quant int4-amx needs a CPU with AMX-BF16 (Sapphire Rapids or later) and a "
                                   "C++ compiler; use --quant int4 here")
 
@@ -205,6 +206,13 @@ def parse_quant(quant: str) -> tuple[str, int]:
     if sep and int(group) not in INT4_GROUP_SIZES:
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     return kind, int(group) if sep else DEFAULT_INT4_GROUP
+
+
+def kernel_available(quant: str) -> bool:
+    """False where `quant` runs one of our C++ kernels and it did not build or this CPU cannot run it
+    (w4a8 would then run its pure-torch reference, which is never fast)."""
+    kind = parse_quant(quant)[0]
+    return kind not in OUR_KERNELS or OUR_KERNELS[kind].extension() is not None
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "none") -> Linear:
