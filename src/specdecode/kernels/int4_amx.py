@@ -1,8 +1,8 @@
 """int4 weights x bf16 activations on AMX tiles: a verify step of k <= 16 rows at about the cost of one row.
 
 The same int4 numbers as `--quant int4` (asymmetric groups, bf16 scale and zero), in our own layout and
-kernel (`int4_amx.cpp`): torch's int4 kernel grows with k (0.33 ms for 1 row of the 1.5B's 8960x1536
-projection, 1.9 ms for 9 on our Xeon); this one dequantizes each weight once to bf16 and lets one AMX tile
+kernel (`int4_amx.cpp`): torch's int4 kernel grows with k (0.62 ms for 1 row of the 1.5B's 8960x1536
+projection, 2.07 ms for 9 on our Xeon, `specdecode doctor`); this one dequantizes each weight once to bf16 and lets one AMX tile
 multiply serve up to 16 rows. `reference_mm` does the same float operations in the same order with torch,
 except inside one 32-input tile multiply, where the order and rounding of the additions are the hardware's
 (the tests allow a few ulps of the products' magnitude there, and compare rows across k with `torch.equal`).
