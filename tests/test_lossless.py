@@ -64,16 +64,23 @@ PROMPT = [3, 7, 1, 7]
 N_SAMPLES = 120_000
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small")
+def small_vocab_models(root, device: str = "cpu") -> dict:
+    """A 12-token target, a draft near it, one far from it, and the near one with a reduced vocabulary."""
     shape = dict(vocab=V, hidden=32, heads=2, kv_heads=1, layers=1, sharpen=12.0)
     target_hf = tiny_hf_model("llama", seed=5, **shape)
     near = perturbed(target_hf, 0.5, seed=6)
     far = tiny_hf_model("llama", seed=7, **shape)
-    load = lambda name, m, **kw: load_model(save_tiny(root / name, m), with_tokenizer=False, **kw).model  # noqa: E731
+
+    def load(name, m, **kw):
+        return load_model(save_tiny(root / name, m), with_tokenizer=False, device=device, **kw).model
+
     return {"target": load("t", target_hf), "near": load("near", near), "far": load("far", far),
             "near-reduced": load("near-reduced", near, head_rows=7)}  # proposes only ids 0..6 of 12
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    return small_vocab_models(tmp_path_factory.mktemp("small"))
 
 
 def logit_tables(model, prompt: list[int] = PROMPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

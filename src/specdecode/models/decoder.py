@@ -20,10 +20,30 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specdecode.kernels import decode_ops
 from specdecode.models.config import ModelConfig
 from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, parse_quant, restore_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
+FUSED_MAX_ROWS = 16  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one forward needs besides x: where the new tokens go and what they see.
+
+    rows: [B] cache rows (None: 0..B-1; fused: never None); slots: [B, T] cache slots written; fused: run the
+    C++ decode ops.
+    Fused: cos, sin [B, T, hd] float32, mask [B, T, K] bool. PyTorch ops: cos, sin [B, 1, T, hd] in the
+    model dtype, mask a list of [B, 1, T, ATTN_BLOCK] per cache block (see `blocked_attention`).
+    """
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | list[torch.Tensor]
+    fused: bool
 
 
 @dataclass
@@ -90,23 +110,29 @@ class Block(nn.Module):
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
         self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, layer: int, cache: KVCache, rows: torch.Tensor | None, slots: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, visible: list[torch.Tensor]) -> torch.Tensor:
-        # x: [B, T, D]; rows: [B] cache rows (None: 0..B-1); slots: [B, T] cache slots written; cos/sin: [B, 1, T, hd]
+    def forward(self, x: torch.Tensor, layer: int, cache: KVCache, step: StepInputs) -> torch.Tensor:
+        # x: [B, T, D]
         cfg = self.cfg
         B, T, _ = x.shape
         H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if step.fused:  # the same layer in three row-invariant C++ ops (kernels/decode_ops.cpp)
+            attn = decode_ops.rope_attention(self.qkv(decode_ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps)),
+                                             step.cos, step.sin, cache.k[layer], cache.v[layer], step.rows,
+                                             step.slots, step.mask, H, KVH)
+            x = x + self.o(attn)
+            return x + self.down(decode_ops.silu_mul(self.gate_up(decode_ops.rms_norm(x, self.mlp_norm,
+                                                                                        cfg.rms_norm_eps))))
         qkv = self.qkv(rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
         q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(B, T, KVH, hd).transpose(1, 2)  # [B, KVH, T, hd]
         v = v.view(B, T, KVH, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        index = (torch.arange(B) if rows is None else rows).view(B, 1)
-        cache.k[layer].permute(0, 2, 1, 3)[index, slots] = k.transpose(1, 2)
-        cache.v[layer].permute(0, 2, 1, 3)[index, slots] = v.transpose(1, 2)
-        attn = blocked_attention(q, cache.k[layer], cache.v[layer], rows, visible)  # [B, H, T, hd]
+        q = q * step.cos + rotate_half(q) * step.sin
+        k = k * step.cos + rotate_half(k) * step.sin
+        index = (torch.arange(B, device=x.device) if step.rows is None else step.rows).view(B, 1)
+        cache.k[layer].permute(0, 2, 1, 3)[index, step.slots] = k.transpose(1, 2)
+        cache.v[layer].permute(0, 2, 1, 3)[index, step.slots] = v.transpose(1, 2)
+        attn = blocked_attention(q, cache.k[layer], cache.v[layer], step.rows, step.mask)  # [B, H, T, hd]
         x = x + self.o(attn.transpose(1, 2).reshape(B, T, H * hd))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
@@ -125,9 +151,9 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     KVH = k_cache.shape[1]
     G = H // KVH
     qg = q.reshape(B, KVH, G * T, hd).float() * (1.0 / math.sqrt(hd))  # heads of a group share K/V
-    m = torch.full((B, KVH, G * T, 1), float("-inf"))
-    denom = torch.zeros(B, KVH, G * T, 1)
-    acc = torch.zeros(B, KVH, G * T, hd)
+    m = torch.full((B, KVH, G * T, 1), float("-inf"), device=q.device)
+    denom = torch.zeros(B, KVH, G * T, 1, device=q.device)
+    acc = torch.zeros(B, KVH, G * T, hd, device=q.device)
     for b, vis in enumerate(visible):
         block = slice(b * ATTN_BLOCK, (b + 1) * ATTN_BLOCK)
         kb = (k_cache[:B, :, block] if rows is None else k_cache[rows, :, block]).float()  # [B, KVH, N, hd]
@@ -156,7 +182,11 @@ class Transformer(nn.Module):
         self.lm_head = lm_head
         self.decode_width = decode_width
         self.max_group = 1 << 30  # decode batches larger than this run in groups (enable_batching measures it)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # short forwards run the C++ decode ops where this CPU has them; with row-invariant linears too, a
+        # bit-exact forward then needs no padding rows (only a dense lm_head still gets them)
+        self.fused_ops = (self.device.type == "cpu" and decode_ops.extension() is not None
+                          and cfg.head_dim in decode_ops.HEAD_DIMS and embed.dtype in (torch.float32, torch.bfloat16))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(embed.device), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,6 +279,9 @@ class Transformer(nn.Module):
         kernel and shape, see `invariant_rows`). Returns that group size (1: no batching gain on linears)."""
         if self.decode_width is None:  # no bit-exact promise to keep
             return max_batch
+        if self.device.type != "cpu":  # the GPU's batched attention matmuls pick kernels by batch size
+            self.max_group = 1
+            return 1
         measured: dict[tuple, int] = {}
         for lin in self.modules():
             key = (type(lin), lin.out_features, lin.in_features, lin.dtype) if isinstance(lin, Linear) else None
@@ -269,11 +302,13 @@ class Transformer(nn.Module):
         (default: rows 0..B-1). tree_mask: optional [B, T, T] bool, which new tokens
         each new token sees (default causal; a token tree passes its ancestor mask, and positions
         are then start + depth). num_logits: only the last n rows get logits (prefill needs 1).
+        Inputs may live on the CPU whatever the model's device; the outputs are on the CPU (the engine
+        drafts and verifies there).
         Returns logits [B, n, V] float32, and the final hidden states [B, n, D] if asked.
         """
         B, T = tokens.shape
         W = self.decode_width
-        if rows is not None and torch.equal(rows, torch.arange(B)):
+        if rows is not None and torch.equal(rows.cpu(), torch.arange(B)):
             rows = None  # the first B rows: attention slices the cache instead of gathering it
         if W is not None and T <= W and B > self.max_group:  # bit-exact decode batch: groups of invariant size
             groups = [slice(i, i + self.max_group) for i in range(0, B, self.max_group)]
@@ -282,15 +317,20 @@ class Transformer(nn.Module):
             if return_hidden:
                 return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
             return torch.cat(outs)
-        if W is not None and T < W:  # bit-exact: every short forward has exactly W rows
+        fused = self.fused_ops and max(T, W or 0) <= FUSED_MAX_ROWS
+        if W is not None and T < W and not (fused and self.rows_independent):  # bit-exact: pad to exactly W rows
             tokens = torch.cat([tokens, tokens.new_zeros(B, W - T)], dim=1)
             if tree_mask is not None:
                 pad = torch.eye(W, dtype=torch.bool, device=tree_mask.device).expand(B, W, W).clone()
                 pad[:, :T, :T] = tree_mask
                 tree_mask = pad
+        dev = self.device
+        tokens, start = tokens.to(dev), start.to(dev)
+        rows = None if rows is None else rows.to(dev)
+        tree_mask = None if tree_mask is None else tree_mask.to(dev)
         Tp = tokens.shape[1]
         start = start.to(torch.long).view(B, 1)
-        slots = start + torch.arange(Tp).view(1, Tp)  # [B, Tp]
+        slots = start + torch.arange(Tp, device=dev).view(1, Tp)  # [B, Tp]
         if tree_mask is None:
             positions = slots
         else:
@@ -298,39 +338,54 @@ class Transformer(nn.Module):
             positions = start + depth
         if int(slots.max()) >= cache.capacity:
             raise ValueError(f"sequence of {int(slots.max()) + 1} tokens exceeds the cache capacity {cache.capacity}")
-        visible = self._visibility(start, slots, positions, tree_mask, cache.capacity)
+        mask = self._visibility(start, slots, positions, tree_mask)  # [B, Tp, K]
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, Tp, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # [B, 1, Tp, hd]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, Tp, hd]
+        if fused:
+            step = StepInputs(torch.arange(B) if rows is None else rows, slots, emb.cos(), emb.sin(), mask, True)
+        else:
+            emb = emb.unsqueeze(1)  # [B, 1, Tp, hd]
+            blocks = mask.unsqueeze(1).split(ATTN_BLOCK, dim=-1)
+            step = StepInputs(rows, slots, emb.cos().to(self.dtype), emb.sin().to(self.dtype), list(blocks), False)
         x = self.embed[tokens]
         for i, block in enumerate(self.blocks):
-            x = block(x, i, cache, rows, slots, cos, sin, visible)
+            x = block(x, i, cache, step)
         n = T if num_logits is None else min(num_logits, T)
         if n == 0:  # a prefill that only fills the cache: no lm_head
             empty = torch.zeros(B, 0, self.lm_head.out_features)
-            return (empty, x[:, :0]) if return_hidden else empty
-        if Tp == W:  # keep the fixed shape through lm_head, then drop padding rows
-            h = rms_norm(x, self.norm, self.config.rms_norm_eps)
+            return (empty, x[:, :0].cpu()) if return_hidden else empty
+        eps = self.config.rms_norm_eps
+        if fused:  # row-invariant norm; a head that is not gets its fixed shape of W rows in bit-exact mode
+            h = decode_ops.rms_norm(x[:, T - n:T], self.norm, eps)
+            if W is not None and T <= W and not self.lm_head.row_invariant:
+                logits = self.lm_head(torch.cat([h, h.new_zeros(B, W - n, h.shape[-1])], dim=1))[:, :n].float()
+            else:
+                logits = self.lm_head(h).float()
+        elif Tp == W:  # padded: keep the fixed shape through lm_head, then drop padding rows
+            h = rms_norm(x, self.norm, eps)
             logits = self.lm_head(h).float()[:, T - n:T]
             h = h[:, T - n:T]
         else:
-            h = rms_norm(x[:, T - n:], self.norm, self.config.rms_norm_eps)
+            h = rms_norm(x[:, T - n:], self.norm, eps)
             logits = self.lm_head(h).float()
+        logits, h = logits.cpu(), h.cpu()
         return (logits, h) if return_hidden else logits
+
+    @property
+    def rows_independent(self) -> bool:
+        """Whether every linear of the blocks computes each row independently of the others (by construction)."""
+        return all(m.row_invariant for m in self.blocks.modules() if isinstance(m, Linear))
 
     @staticmethod
     def _visibility(start: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                    tree_mask: torch.Tensor | None, capacity: int) -> list[torch.Tensor]:
-        """Per cache block, which keys each new token sees: [B, 1, Tp, ATTN_BLOCK] bool."""
+                    tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """Which cache slots each new token sees: [B, Tp, K] bool, K a multiple of ATTN_BLOCK."""
         n_blocks = -(-(int(slots.max()) + 1) // ATTN_BLOCK)
-        keys = torch.arange(n_blocks * ATTN_BLOCK).view(1, 1, -1)
+        keys = torch.arange(n_blocks * ATTN_BLOCK, device=slots.device).view(1, 1, -1)
         if tree_mask is None:
-            vis = keys <= slots.unsqueeze(-1)  # [B, Tp, K]: causal by slot
-        else:
-            vis = keys < start.unsqueeze(-1)  # the committed prefix
-            new = keys - start.unsqueeze(-1)  # [B, 1, K] index into the new tokens
-            in_new = (new >= 0) & (new < slots.shape[1])
-            tm = torch.gather(tree_mask, 2, new.clamp(0, slots.shape[1] - 1).expand(-1, slots.shape[1], -1))
-            vis = vis | (in_new & tm)
-        vis = vis.unsqueeze(1)
-        return [vis[..., b * ATTN_BLOCK:(b + 1) * ATTN_BLOCK] for b in range(n_blocks)]
+            return keys <= slots.unsqueeze(-1)  # [B, Tp, K]: causal by slot
+        vis = keys < start.unsqueeze(-1)  # the committed prefix
+        new = keys - start.unsqueeze(-1)  # [B, 1, K] index into the new tokens
+        in_new = (new >= 0) & (new < slots.shape[1])
+        tm = torch.gather(tree_mask, 2, new.clamp(0, slots.shape[1] - 1).expand(-1, slots.shape[1], -1))
+        return vis | (in_new & tm)

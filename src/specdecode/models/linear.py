@@ -21,6 +21,7 @@ DEFAULT_INT4_GROUP = 32
 
 class Linear(nn.Module):
     quant: str  # what `make_linear` was given, e.g. "int4-g64": enough to rebuild the layer from its state_dict
+    row_invariant = False  # True: each output row is computed the same way whatever the number of rows (our kernels)
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -139,6 +140,8 @@ class Int4Linear(Linear):
 class Int4AmxLinear(Linear):
     """The numbers of `Int4Linear` in our AMX kernel (kernels/int4_amx.py): up to 16 rows for the cost of one."""
 
+    row_invariant = True
+
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(out_features, packed.shape[1] * int4_amx.CHUNK, bias, dtype)
@@ -178,6 +181,10 @@ class W4A8Linear(Linear):
     in our C++ kernel (kernels/w4a8.py), so that a verify step of k <= 8 rows costs about what one row does."""
 
     quant = "w4a8"
+
+    @property
+    def row_invariant(self) -> bool:  # the C++ kernel is; its pure-torch stand-in is not promised to be
+        return w4a8.extension() is not None
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, in_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -252,7 +259,7 @@ def invariant_rows(layer: Linear, width: int, max_multiple: int, seed: int = 0) 
     layer's own shape and dtype answer for every input.
     """
     x = torch.randn(width * max_multiple, layer.in_features, generator=torch.Generator().manual_seed(seed))
-    x = x.to(layer.dtype)
+    x = x.to(device=next(iter(layer.state_dict().values())).device, dtype=layer.dtype)
     alone = torch.cat([layer._matmul(chunk) for chunk in x.split(width)])
     for n in range(2, max_multiple + 1):
         if not torch.equal(layer._matmul(x[:n * width]), alone[:n * width]):

@@ -1,0 +1,353 @@
+// The non-linear part of a decoder layer for decode and verify steps (a few new tokens per sequence), row by row:
+// RMSNorm, rotary embedding + KV-cache write + attention, and SiLU(gate) * up.
+//
+// Why: in PyTorch these are ~40 small ops per layer (about 1 ms per layer of dispatch on our 2-core CPUs), and
+// torch's matmuls inside attention reduce in an order that depends on how many query rows share a call, which
+// is why bit-exact mode padded every forward to a fixed width. Here every output row is computed by its own
+// fixed sequence of operations, whatever the number of rows, sequences or threads: a token's result depends
+// only on its own inputs and on the keys it sees, in cache order. So these ops are bit-exact across k by
+// construction, and a forward needs no padding where its linears are row-invariant too.
+//
+// Arithmetic (float32 throughout; bf16 inputs are widened exactly, bf16 outputs rounded to nearest even):
+//   rms_norm:  ss = sum of x^2 in 16 interleaved partial sums (fused multiply-add), added 0..15 in order;
+//              y = dtype(x * (1 / sqrt(ss / D + eps))); out = dtype(w * y)          (as transformers' RMSNorm)
+//   silu_mul:  out = dtype(dtype(g / (1 + exp(-g))) * u)
+//   attention: rope on q and k in float32 (k rounded to the cache's dtype as it is written); for each query row,
+//              s_j = (q . k_j) / sqrt(hd) over the keys it sees (products summed in order of the head dimension),
+//              m = max s_j; p_j = exp(s_j - m); out = (sum_j p_j v_j) / (sum_j p_j), sums in cache order.
+//   exp:       a Cephes-style polynomial with the same operations for every element (no libm).
+// Built with -ffp-contract=off: the only fused multiply-adds are the explicit std::fma ones.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPECDECODE_AVX512 1
+#endif
+
+namespace {
+
+bool available() {
+#ifdef SPECDECODE_AVX512
+  return true;
+#else
+  return false;  // the decoder keeps PyTorch's ops (and pads bit-exact forwards) on CPUs without AVX-512
+#endif
+}
+
+#ifdef SPECDECODE_AVX512
+using BF16 = at::BFloat16;
+constexpr int kW = 16;  // floats per vector
+const float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline __mmask16 tail(int64_t n) { return n >= kW ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// 16 values widened to float32 (exact for bf16); lanes outside the mask read 0
+inline __m512 load16(const float* p, __mmask16 k = 0xFFFF) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const BF16* p, __mmask16 k = 0xFFFF) {
+  const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// float32 -> bf16 bits, rounded to nearest even (NaN -> 0x7fc0), as torch's .to(torch.bfloat16)
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+inline void store16(float* p, __m512 v, __mmask16 k = 0xFFFF) { _mm512_mask_storeu_ps(p, k, v); }
+inline void store16(BF16* p, __m512 v, __mmask16 k = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+// v rounded to T and widened back: what storing then loading would give
+inline __m512 round_to(float*, __m512 v) { return v; }
+inline __m512 round_to(BF16*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+
+// exp(x): 0 below -87.3 (and for -inf); the same operations for every lane
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(c));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * D;
+      __m512 part = _mm512_setzero_ps();  // 16 interleaved partial sums of squares
+      for (int64_t j = 0; j < D; j += kW) {
+        const __m512 v = load16(xr + j, tail(D - j));
+        part = _mm512_fmadd_ps(v, v, part);
+      }
+      alignas(64) float lanes[kW];
+      _mm512_store_ps(lanes, part);
+      float ss = 0.0f;
+      for (const float l : lanes) ss += l;
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(D) + eps));
+      T* o = out + r * D;
+      for (int64_t j = 0; j < D; j += kW) {
+        const __mmask16 k = tail(D - j);
+        const __m512 y = round_to(o, _mm512_mul_ps(load16(xr + j, k), inv));
+        store16(o + j, _mm512_mul_ps(load16(w + j, k), y), k);
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
+  constexpr int64_t kSeg = 512;  // elements per task; a row's element i always takes the same path
+  const int64_t segs = (I + kSeg - 1) / kSeg;
+  at::parallel_for(0, rows * segs, 1, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / segs, i0 = (task % segs) * kSeg, i1 = std::min(I, i0 + kSeg);
+      const T* g = gate_up + r * 2 * I;
+      for (int64_t i = i0; i < i1; i += kW) {
+        const __mmask16 k = tail(i1 - i);
+        const __m512 gi = load16(g + i, k);
+        const __m512 s = round_to(out, _mm512_div_ps(gi, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi)))));
+        store16(out + r * I + i, _mm512_mul_ps(s, load16(g + I + i, k)), k);
+      }
+    }
+  });
+}
+
+// rotary embedding of one head vector (transformers' rotate_half convention) in float32, times `scale`
+template <typename T>
+inline void rope(const T* x, const float* cos, const float* sin, float* out, int64_t hd, float scale) {
+  const int64_t half = hd / 2;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < half; d += kW) {
+    const __mmask16 k = tail(half - d);
+    const __m512 lo = load16(x + d, k), hi = load16(x + half + d, k);
+    const __m512 a = _mm512_sub_ps(_mm512_mul_ps(lo, load16(cos + d, k)), _mm512_mul_ps(hi, load16(sin + d, k)));
+    const __m512 b = _mm512_add_ps(_mm512_mul_ps(hi, load16(cos + half + d, k)),
+                                   _mm512_mul_ps(lo, load16(sin + half + d, k)));
+    store16(out + d, _mm512_mul_ps(a, sc), k);
+    store16(out + half + d, _mm512_mul_ps(b, sc), k);
+  }
+}
+
+// C = head_dim / 16 vectors per head vector
+template <typename T, int C>
+void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, const int64_t* rows,
+               const int64_t* slots, const bool* mask, T* out, int64_t B, int64_t Tn, int64_t H, int64_t KVH,
+               int64_t cap, int64_t K) {
+  constexpr int64_t hd = C * kW;
+  const int64_t width = (H + 2 * KVH) * hd, G = H / KVH, R = G * Tn;
+  // 1. rope the new keys and write keys and values into the cache [batch, KVH, cap, hd]
+  at::parallel_for(0, B * Tn * KVH, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float kf[hd];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (Tn * KVH), t = (i / KVH) % Tn, h = i % KVH, bt = b * Tn + t;
+      const T* src = qkv + bt * width + (H + h) * hd;
+      const int64_t dst = ((rows[b] * KVH + h) * cap + slots[bt]) * hd;
+      rope(src, cos + bt * hd, sin + bt * hd, kf, hd, 1.0f);
+      for (int c = 0; c < C; ++c) {
+        store16(kc + dst + c * kW, _mm512_load_ps(kf + c * kW));
+        store16(vc + dst + c * kW, load16(src + KVH * hd + c * kW));
+      }
+    }
+  });
+  // 2. per (sequence, kv head): its G * Tn query rows (row r = g * Tn + t) against the keys each sees
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(R * hd), s(R * K), kf(K * hd), vf(K * hd), m(R);
+    std::vector<char> any(K);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, kvh = task % KVH;
+      const T* keys = kc + (rows[b] * KVH + kvh) * cap * hd;
+      const T* vals = vc + (rows[b] * KVH + kvh) * cap * hd;
+      const bool* vis = mask + b * Tn * K;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = r / Tn, t = r % Tn, bt = b * Tn + t;
+        rope(qkv + bt * width + (kvh * G + g) * hd, cos + bt * hd, sin + bt * hd, q.data() + r * hd, hd, scale);
+        m[r] = kNegInf;
+      }
+      for (int64_t j = 0; j < K; ++j) {  // widen the keys and values some row sees, once for all rows
+        bool seen = false;
+        for (int64_t t = 0; t < Tn; ++t) seen |= vis[t * K + j];
+        any[j] = seen;
+        if (!seen) continue;
+        for (int c = 0; c < C; ++c) {
+          _mm512_storeu_ps(kf.data() + j * hd + c * kW, load16(keys + j * hd + c * kW));
+          _mm512_storeu_ps(vf.data() + j * hd + c * kW, load16(vals + j * hd + c * kW));
+        }
+      }
+      // first pass: scores; each dot product: 16 lanes of products summed over the C vectors, then the lanes
+      for (int64_t j = 0; j < K; ++j) {
+        if (!any[j]) {
+          for (int64_t r = 0; r < R; ++r) s[r * K + j] = kNegInf;
+          continue;
+        }
+        __m512 kj[C];
+        for (int c = 0; c < C; ++c) kj[c] = _mm512_loadu_ps(kf.data() + j * hd + c * kW);
+        for (int64_t r = 0; r < R; ++r) {
+          if (!vis[(r % Tn) * K + j]) {
+            s[r * K + j] = kNegInf;
+            continue;
+          }
+          const float* qr = q.data() + r * hd;
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kj[0]);
+          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c * kW), kj[c], acc);
+          const float dot = _mm512_reduce_add_ps(acc);
+          s[r * K + j] = dot;
+          m[r] = std::max(m[r], dot);
+        }
+      }
+      // second pass, per row: softmax weights, then the weighted sum of values, in cache order
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = s.data() + r * K;
+        const bool* vr = vis + (r % Tn) * K;
+        const __m512 mr = _mm512_set1_ps(m[r]);
+        for (int64_t j = 0; j < K; j += kW) {
+          const __mmask16 k = tail(K - j);
+          _mm512_mask_storeu_ps(sr + j, k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + j), mr)));
+        }
+        __m512 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+        float denom = 0.0f;
+        for (int64_t j = 0; j < K; ++j) {
+          if (!vr[j]) continue;
+          denom += sr[j];
+          const __m512 p = _mm512_set1_ps(sr[j]);
+          for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vf.data() + j * hd + c * kW), acc[c]);
+        }
+        const __m512 dn = _mm512_set1_ps(denom);
+        const int64_t g = r / Tn, t = r % Tn;
+        T* o = out + (b * Tn + t) * H * hd + (kvh * G + g) * hd;
+        for (int c = 0; c < C; ++c) store16(o + c * kW, _mm512_div_ps(acc[c], dn));
+      }
+    }
+  });
+}
+#endif  // SPECDECODE_AVX512
+
+#ifdef SPECDECODE_AVX512
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {  // float32 or bfloat16
+  if (t == at::kFloat) f(static_cast<float*>(nullptr));
+  else f(static_cast<BF16*>(nullptr));
+}
+#endif
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(available(), "the decode ops need a CPU with AVX-512 (BW, VL)");
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, not ", t.scalar_type());
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == x.size(-1),
+              "the norm's weight must be contiguous, of x's dtype and width");
+  auto out = torch::empty_like(x);
+#ifdef SPECDECODE_AVX512
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  dispatch(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows(static_cast<const T*>(x.data_ptr()), static_cast<const T*>(w.data_ptr()),
+                  static_cast<T*>(out.data_ptr()), rows, D, static_cast<float>(eps));
+  });
+#endif
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t I = gate_up.size(-1) / 2;
+  TORCH_CHECK(gate_up.size(-1) == 2 * I, "gate_up must hold gate then up: an even width");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gate_up.options());
+#ifdef SPECDECODE_AVX512
+  dispatch(gate_up.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_mul_rows(static_cast<const T*>(gate_up.data_ptr()), static_cast<T*>(out.data_ptr()),
+                  gate_up.numel() / (2 * I), I);
+  });
+#endif
+  return out;
+}
+
+// qkv [B, T, (H + 2 KVH) hd]; cos, sin [B, T, hd] float32; k_cache, v_cache [batch, KVH, cap, hd] (written at
+// rows x slots); rows [B], slots [B, T] int64; mask [B, T, K] bool (K <= cap: which cache slots each query sees)
+torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                             torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& rows,
+                             const torch::Tensor& slots, const torch::Tensor& mask, int64_t H, int64_t KVH) {
+  check_rows(qkv, "qkv");
+  const int64_t B = qkv.size(0), Tn = qkv.size(1), hd = k_cache.size(3), cap = k_cache.size(2), K = mask.size(2);
+  TORCH_CHECK(hd % 16 == 0 && hd <= 256 && hd / 16 != 7 && hd / 16 < 9 || hd == 256,
+              "the decode attention takes head_dim 16, 32, ..., 128 (not 112) or 256, not ", hd);
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == (H + 2 * KVH) * hd && H % KVH == 0, "qkv has the wrong width");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == qkv.scalar_type() &&
+              k_cache.size(1) == KVH, "the caches must be contiguous [batch, KVH, capacity, head_dim] of qkv's dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == B * Tn * hd && sin.numel() == B * Tn * hd,
+              "cos and sin must be contiguous float32 [B, T, head_dim]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && rows.numel() == B &&
+              slots.numel() == B * Tn && rows.is_contiguous() && slots.is_contiguous(), "rows [B], slots [B, T] int64");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 3 && mask.size(0) == B &&
+              mask.size(1) == Tn && K <= cap, "mask must be contiguous bool [B, T, K <= capacity]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(r[b] >= 0 && r[b] < k_cache.size(0), "cache row out of range");
+    for (int64_t t = 0; t < Tn; ++t) TORCH_CHECK(sl[b * Tn + t] >= 0 && sl[b * Tn + t] < cap, "slot out of range");
+  }
+  auto out = torch::empty({B, Tn, H * hd}, qkv.options());
+#ifdef SPECDECODE_AVX512
+  dispatch(qkv.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    auto run = [&](auto c) {
+      attention<T, decltype(c)::value>(static_cast<const T*>(qkv.data_ptr()), cos.data_ptr<float>(),
+                                       sin.data_ptr<float>(), static_cast<T*>(k_cache.data_ptr()),
+                                       static_cast<T*>(v_cache.data_ptr()), r, sl, mask.data_ptr<bool>(),
+                                       static_cast<T*>(out.data_ptr()), B, Tn, H, KVH, cap, K);
+    };
+    switch (hd / 16) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      case 6: run(std::integral_constant<int, 6>{}); break;
+      case 8: run(std::integral_constant<int, 8>{}); break;
+      default: run(std::integral_constant<int, 16>{});
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "whether this build can run the ops (AVX-512)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, row-invariant");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of each row of [.., 2I], row-invariant");
+  m.def("rope_attention", &rope_attention, "rotary embedding, KV-cache write and attention, row-invariant");
+}

@@ -1,0 +1,56 @@
+"""Row-invariant RMSNorm, rotary attention with the KV-cache write, and SiLU * up, in C++ (`decode_ops.cpp`).
+
+For decode and verify steps: one call per op instead of ~40 small PyTorch ops per layer, and every output row
+computed by the same fixed sequence of operations whatever the number of rows, so these ops are bit-exact across
+k by construction (PyTorch's attention matmuls are not: their reduction order depends on the row count).
+CPUs with AVX-512 run it; elsewhere, or where the build fails, the decoder keeps its PyTorch ops.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from specdecode.kernels.build import build
+
+SOURCE = Path(__file__).with_name("decode_ops.cpp")
+
+
+@cache
+def extension() -> ModuleType | None:
+    """The compiled ops where this CPU runs them (AVX-512), else None: then the decoder uses PyTorch's ops."""
+    from specdecode.cpu import cpu_info
+
+    if not {"avx512f", "avx512bw", "avx512vl"} <= set(cpu_info()[1]):
+        return None
+    ext = build(SOURCE)
+    return ext if ext is not None and ext.available() else None
+
+
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # what rope_attention takes
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] float32 or bfloat16 -> the same shape and dtype."""
+    return extension().rms_norm(x.contiguous(), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate then up) -> SiLU(gate) * up [..., I]."""
+    return extension().silu_mul(gate_up.contiguous())
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                   heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotary embedding of the new queries and keys, the new keys and values written to the cache at
+    (rows[b], slots[b, t]), and each query's attention over the cache slots mask[b, t] marks.
+
+    qkv: [B, T, (heads + 2 kv_heads) * hd]; cos, sin: [B, T, hd] float32; k_cache, v_cache: [batch, kv_heads,
+    capacity, hd] (one layer's, written in place); rows: [B]; slots: [B, T]; mask: [B, T, K <= capacity] bool.
+    Returns [B, T, heads * hd] in qkv's dtype."""
+    return extension().rope_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
+                                      rows.contiguous(), slots.contiguous(), mask.contiguous(), heads, kv_heads)
