@@ -89,6 +89,29 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
 }
 
+// lane l of the result: the sum of v[l]'s 16 lanes, by one fixed tree of additions
+inline __m512 lane_sums(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// which of n <= 16 keys a query sees, as a mask
+inline __mmask16 visible16(const bool* vis, int64_t n) {
+  const __m128i b = _mm_maskz_loadu_epi8(tail(n), vis);
+  return _mm_test_epi8_mask(b, b);
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -173,7 +196,7 @@ void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, c
   // 2. per (sequence, kv head): its G * Tn query rows (row r = g * Tn + t) against the keys each sees
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(R * hd), s(R * K), kf(K * hd), vf(K * hd), m(R);
+    std::vector<float> q(R * hd), s(R * K), kf((K + kW) * hd), vf(K * hd), m(R);
     std::vector<char> any(K);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
@@ -195,25 +218,32 @@ void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, c
           _mm512_storeu_ps(vf.data() + j * hd + c * kW, load16(vals + j * hd + c * kW));
         }
       }
-      // first pass: scores; each dot product: 16 lanes of products summed over the C vectors, then the lanes
-      for (int64_t j = 0; j < K; ++j) {
-        if (!any[j]) {
-          for (int64_t r = 0; r < R; ++r) s[r * K + j] = kNegInf;
+      // first pass: scores, 16 keys at a time; each dot product: C vectors of products summed lane by lane
+      // (the first a product, then fused multiply-adds), then the 16 lanes by the fixed tree of `lane_sums`
+      for (int64_t j0 = 0; j0 < K; j0 += kW) {
+        const int64_t n = std::min<int64_t>(kW, K - j0);
+        bool some = false;
+        for (int64_t l = 0; l < n; ++l) some |= any[j0 + l];
+        if (!some) {
+          for (int64_t r = 0; r < R; ++r) std::fill_n(s.data() + r * K + j0, n, kNegInf);
           continue;
         }
-        __m512 kj[C];
-        for (int c = 0; c < C; ++c) kj[c] = _mm512_loadu_ps(kf.data() + j * hd + c * kW);
+        const float* kb = kf.data() + j0 * hd;  // keys beyond n (or unseen) are stale floats: masked below
         for (int64_t r = 0; r < R; ++r) {
-          if (!vis[(r % Tn) * K + j]) {
-            s[r * K + j] = kNegInf;
-            continue;
-          }
           const float* qr = q.data() + r * hd;
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kj[0]);
-          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c * kW), kj[c], acc);
-          const float dot = _mm512_reduce_add_ps(acc);
-          s[r * K + j] = dot;
-          m[r] = std::max(m[r], dot);
+          __m512 qv[C];
+          for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qr + c * kW);
+          __m512 dots[kW];
+          for (int l = 0; l < kW; ++l) {
+            __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + l * hd));
+            for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kb + l * hd + c * kW), acc);
+            dots[l] = acc;
+          }
+          const __m512 sc = lane_sums(dots);
+          const __mmask16 seen = visible16(vis + (r % Tn) * K + j0, n);
+          const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), seen, sc);
+          _mm512_mask_storeu_ps(s.data() + r * K + j0, tail(n), v);
+          m[r] = std::max(m[r], _mm512_reduce_max_ps(v));
         }
       }
       // second pass, per row: softmax weights, then the weighted sum of values, in cache order
