@@ -10,6 +10,7 @@ import specdecode.engine
 from specdecode.builder import build_generator, build_scheduler
 from specdecode.engine import GenerationResult
 from specdecode.models.loading import load_model
+from tests.test_int4_amx import needs_amx
 from tests.test_lossless import random_prompts
 
 NEW_TOKENS = 24
@@ -39,7 +40,8 @@ def assert_same_logits(got: dict[int, torch.Tensor], expected: dict[int, torch.T
 
 
 @pytest.fixture(scope="module", params=[("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
-                                        ("bfloat16", "int4")], ids=lambda p: "-".join(p))
+                                        ("bfloat16", "int4"), pytest.param(("bfloat16", "int4-amx"), marks=needs_amx)],
+                ids=lambda p: "-".join(p))
 def pair(request, tiny_pair):
     target, draft = tiny_pair
     dtype, quant = request.param

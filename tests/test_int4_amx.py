@@ -116,3 +116,40 @@ def test_bad_shapes_and_groups_give_clear_errors():
     if int4_amx.extension() is not None:
         with pytest.raises(RuntimeError, match="width"):
             int4_amx.int4_amx_mm(torch.randn(1, 96), packed, scale_zero, 128)
+
+
+# ---- int8-amx: int8 per-channel weights through the same tiles, two nibbles per weight ----
+
+@pytest.mark.parametrize("N,K", [(40, 64), (16, 96), (130, 320)])
+def test_int8_packing_round_trips(N, K):
+    weight, _, _ = _case(N, K, 32)
+    scale = (weight.abs().amax(1) / 127).to(torch.bfloat16).float()
+    q = (weight / scale[:, None]).round().clamp(-127, 127)
+    packed, scale_p = int4_amx.pack_int8(q, scale)
+    assert packed.shape == (-(-N // 16), K // 32, 2, 256) and not scale_p[N:].any()
+    assert torch.equal(int4_amx.dequantize_int8(packed, scale_p, N), q * scale[:, None])
+
+
+@needs_amx
+@pytest.mark.parametrize("N,K", [(40, 64), (130, 320), (64, 1536)])
+def test_int8_kernel_is_the_dequantized_matmul_and_row_invariant(N, K):
+    weight, x, _ = _case(N, K, 32, seed=2)
+    layer = make_linear(weight.to(torch.bfloat16), None, "int8-amx")
+    w = layer.dequantized()
+    assert ((w - weight.to(torch.bfloat16).float()).abs() <= layer.scale[:N, None] / 2 + 1e-6).all()  # int8's error
+    magnitude = x.float().abs() @ w.abs().T
+    y = int4_amx.int8_amx_mm(x, layer.packed, layer.scale)[:, :N]
+    assert ((y - x.float() @ w.T).abs() <= 16 * 2 ** -24 * magnitude * (K // 32) + 1e-30).all()
+    integers = torch.randint(-20, 20, (9, K)).to(torch.bfloat16)  # every partial sum exact: equal
+    assert torch.equal(int4_amx.int8_amx_mm(integers, layer.packed, layer.scale)[:, :N], integers.float() @ w.T)
+    alone = torch.cat([layer(x[t:t + 1]) for t in range(20)])
+    for k in range(1, 21):
+        assert torch.equal(layer(x[:k]), alone[:k]), k
+    assert torch.equal(int4_amx.int8_amx_mm(x, layer.packed, layer.scale, torch.bfloat16),
+                       int4_amx.int8_amx_mm(x, layer.packed, layer.scale).to(torch.bfloat16))
+
+
+@needs_amx
+def test_int8_amx_refuses_widths_that_are_not_a_multiple_of_32():
+    with pytest.raises(InvalidRequestError, match="multiple of 32"):
+        make_linear(torch.randn(16, 48), None, "int8-amx")

@@ -14,6 +14,7 @@ from specdecode.drafting.none import NoDrafter
 from specdecode.engine import DEFAULT_MAX_CONTEXT, GammaSchedule, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.catalog import DEFAULT_DRAFT
+from specdecode.models.linear import parse_quant
 from specdecode.models.loading import LoadedModel, load_model, parse_dtype
 from specdecode.serving.scheduler import Scheduler
 
@@ -54,8 +55,15 @@ def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_ex
     kernel for a verify step (and so changes the target's outputs: opt-in)."""
     rows = VERIFY_WIDTH if bit_exact else 1  # a bit-exact step always has the verify width
     dtype = resolve_dtype(dtype, rows, device)
+    quant = resolve_quant(quant, dtype, VERIFY_WIDTH, device)
     return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None,
-                      quant=resolve_quant(quant, dtype, VERIFY_WIDTH, device))
+                      quant=quant, head_quant=target_head_quant(quant))
+
+
+def target_head_quant(quant: str) -> str:
+    """A target's lm_head stays wider than its blocks (as llama.cpp's Q4_K_M keeps a 6-bit output layer): dense,
+    except beside int4-amx blocks, where per-channel int8 on the same AMX kernel reads half the bytes."""
+    return "int8-amx" if parse_quant(quant)[0] == "int4-amx" else "none"
 
 
 def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "auto",

@@ -21,10 +21,10 @@ from specdecode.models.linear import Linear, invariant_rows, kernel_available
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
-           ("bfloat16", "int4-amx"), ("bfloat16", "w4a8"), ("float32", "int8")]
+           ("bfloat16", "int4-amx"), ("bfloat16", "int8-amx"), ("bfloat16", "w4a8"), ("float32", "int8")]
 KS = tuple(range(1, 17))
 BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32, "int4-amx": 0.5 + 4 / 32,
-                    "w4a8": 0.5 + 4 / 32}  # + scales
+                    "int8-amx": 1.0 + 4 / 1536, "w4a8": 0.5 + 4 / 32}  # + scales
 
 
 def cpu_flags() -> list[str]:
@@ -67,10 +67,14 @@ def linear_weights(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def floor_ms(cfg: ModelConfig, dtype: str, quant: str, bandwidth_gbs: float) -> float:
-    """ms per token if decoding only streamed the weights at the measured bandwidth (the lm_head stays dense)."""
+    """ms per token if decoding only streamed the weights at the measured bandwidth (the lm_head as a target's:
+    dense, or int8 beside int4-amx blocks)."""
+    from specdecode.builder import target_head_quant
+
     blocks, head = linear_weights(cfg)
     dense = 4.0 if dtype == "float32" else 2.0
-    return (blocks * (BYTES_PER_WEIGHT[quant] or dense) + head * dense) / (bandwidth_gbs * 1e9) * 1e3
+    head_bytes = BYTES_PER_WEIGHT[target_head_quant(quant)] or dense
+    return (blocks * (BYTES_PER_WEIGHT[quant] or dense) + head * head_bytes) / (bandwidth_gbs * 1e9) * 1e3
 
 
 def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfig] | None = None,

@@ -31,10 +31,12 @@ def _median_ms(fn, repeats: int) -> float:
 
 def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, width: int | None,
           quant: str = "none") -> dict:
+    from specdecode.builder import target_head_quant
     from specdecode.models.loading import load_model
 
     t = time.perf_counter()
-    m = load_model(model, dtype=dtype, decode_width=width, with_tokenizer=False, quant=quant).model
+    m = load_model(model, dtype=dtype, decode_width=width, with_tokenizer=False, quant=quant,
+                   head_quant=target_head_quant(quant)).model  # every model as a target
     load_s = time.perf_counter() - t
     ids = torch.randint(0, m.config.vocab_size, (1, context + max(ks)))
     cache = m.new_cache(1, context + max(ks))

@@ -77,10 +77,10 @@ void configure(int M) {
   _tile_loadconfig(&cfg);
 }
 
-inline __m512i bf16_table() {  // entry j: bf16 of (j & 15) - 8, exact
+inline __m512i bf16_table(int times = 1) {  // entry j: bf16 of times * ((j & 15) - 8), exact for times 1, 16
   alignas(64) uint16_t tab[32];
   for (int j = 0; j < 32; ++j) {
-    const float f = static_cast<float>((j & 15) - 8);
+    const float f = static_cast<float>(times * ((j & 15) - 8));
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
     tab[j] = static_cast<uint16_t>(bits >> 16);
@@ -175,6 +175,62 @@ constexpr std::array<TileFn, sizeof...(Ms) + 1> tile_fns(std::integer_sequence<i
   return {nullptr, n_tile<Ms + 1>...};
 }
 constexpr auto kTileFns = tile_fns(std::make_integer_sequence<int, kMaxRows>{});
+
+// int8 (int8_amx_mm): chunk ch's 512 bytes hold the high nibbles of q + 128, then the low ones, in the int4
+// layout. C = sum over the row of x * 16 (hi - 8) + x * (lo - 8), each chunk into C tile 4 + ch % 4 (four
+// independent accumulation chains), the tiles added 4 + 5, + 6, + 7; then y = C * s + xs * 8s. No rescale per
+// group: a row costs one multiply-add per 16 outputs, so k <= 16 rows cost about what one does.
+template <int M>
+void n_tile_int8(const uint8_t* w, const float* scale, const uint16_t* x, int64_t K, const float* xs, void* out,
+                 bool bf16_out, int64_t ldo, uint16_t* btile, float* cbuf) {
+  const __m512i hi_table = bf16_table(16), lo_table = bf16_table();
+  const int64_t chunks = K / kChunk;
+  _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    const int n = static_cast<int>(std::min<int64_t>(4, chunks - c0));
+    for (int i = 0; i < n; ++i) {  // dequantize first: a tile load of data just stored waits for the stores
+      dequantize_chunk(w + (c0 + i) * 2 * kChunkBytes, btile + 2 * i * 512, hi_table);
+      dequantize_chunk(w + (c0 + i) * 2 * kChunkBytes + kChunkBytes, btile + (2 * i + 1) * 512, lo_table);
+    }
+#define INT8_CHUNK(c, a, i)                                   \
+    do {                                                      \
+      _tile_loadd(a, x + (c0 + (i)) * kChunk, K * 2);         \
+      _tile_loadd(2, btile + 2 * (i) * 512, 64);              \
+      _tile_dpbf16ps(c, a, 2);                                \
+      _tile_loadd(3, btile + (2 * (i) + 1) * 512, 64);        \
+      _tile_dpbf16ps(c, a, 3);                                \
+    } while (0)
+    INT8_CHUNK(4, 0, 0);
+    if (n > 1) INT8_CHUNK(5, 1, 1);
+    if (n > 2) INT8_CHUNK(6, 0, 2);
+    if (n > 3) INT8_CHUNK(7, 1, 3);
+#undef INT8_CHUNK
+  }
+  _tile_stored(4, cbuf, 64);
+  _tile_stored(5, cbuf + 256, 64);
+  _tile_stored(6, cbuf + 512, 64);
+  _tile_stored(7, cbuf + 768, 64);
+  const __m512 s = _mm512_loadu_ps(scale), s8 = _mm512_mul_ps(s, _mm512_set1_ps(8.0f));
+  for (int m = 0; m < M; ++m) {
+    __m512 c = _mm512_add_ps(_mm512_load_ps(cbuf + 16 * m), _mm512_load_ps(cbuf + 256 + 16 * m));
+    c = _mm512_add_ps(c, _mm512_load_ps(cbuf + 512 + 16 * m));
+    c = _mm512_add_ps(c, _mm512_load_ps(cbuf + 768 + 16 * m));
+    const __m512 y = _mm512_add_ps(_mm512_mul_ps(c, s), _mm512_mul_ps(_mm512_set1_ps(xs[m]), s8));
+    if (bf16_out)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + m * ldo),
+                          (__m256i)_mm512_cvtneps_pbh(y));
+    else
+      _mm512_storeu_ps(static_cast<float*>(out) + m * ldo, y);
+  }
+}
+
+using Int8TileFn = void (*)(const uint8_t*, const float*, const uint16_t*, int64_t, const float*, void*, bool, int64_t,
+                            uint16_t*, float*);
+template <int... Ms>
+constexpr std::array<Int8TileFn, sizeof...(Ms) + 1> int8_tile_fns(std::integer_sequence<int, Ms...>) {
+  return {nullptr, n_tile_int8<Ms + 1>...};
+}
+constexpr auto kInt8TileFns = int8_tile_fns(std::make_integer_sequence<int, kMaxRows>{});
 #endif
 
 }  // namespace
@@ -230,7 +286,47 @@ torch::Tensor int4_amx_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+// x: [k, K] bf16; packed: [N / 16, K / 32, 2, 256] uint8 (high then low nibbles of q + 128, int4 layout);
+// scale: [N] float32 (bf16 values) -> [k, N] float32, or bfloat16 if bf16_out
+torch::Tensor int8_amx_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, bool bf16_out) {
+  TORCH_CHECK(available(), "the int8-amx kernel needs a CPU with AMX-BF16 (and a Linux that grants it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [k, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.size(2) == 2 && packed.size(3) == kChunkBytes, "packed must be contiguous [N / 16, K / 32, 2, 256]");
+  const int64_t k = x.size(0), K = x.size(1), NT = packed.size(0), N = NT * 16;
+  TORCH_CHECK(packed.size(1) * kChunk == K, "inputs of width ", K, " do not fit weights packed for ",
+              packed.size(1) * kChunk);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(),
+              "scale must be contiguous [N] float32");
+  auto out = torch::empty({k, N}, bf16_out ? torch::kBFloat16 : torch::kFloat32);
+#ifdef SPECDECODE_AMX
+  const torch::Tensor xc = x.contiguous();
+  auto xs = torch::empty({k}, torch::kFloat32);
+  group_sums(xc.data_ptr<at::BFloat16>(), k, K, K, xs.data_ptr<float>());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t osize = out.element_size();
+  at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t btile[8 * 512];  // 4 chunks, high and low
+    alignas(64) float cbuf[4 * 256];
+    for (int64_t m0 = 0; m0 < k; m0 += kMaxRows) {
+      const int M = static_cast<int>(std::min<int64_t>(kMaxRows, k - m0));
+      configure(M);
+      for (int64_t t = begin; t < end; ++t)
+        kInt8TileFns[M](wp + t * (K / kChunk) * 2 * kChunkBytes, sp + t * 16, xp + m0 * K, K, xsp + m0,
+                        op + (m0 * N + t * 16) * osize, bf16_out, N, btile, cbuf);
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_amx_mm", &int8_amx_mm, "int8 weights (per-channel scale) x bf16 activations on AMX -> [k, N]");
   m.def("int4_amx_mm", &int4_amx_mm, "int4 weights x bf16 activations on AMX, [k, K] x [N, K]^T -> [k, N]");
   m.def("available", &available, "whether this build and this CPU can run the kernel");
 }

@@ -102,3 +102,31 @@ def int4_amx_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
     if ext is None:
         raise RuntimeError("the int4-amx kernel needs a CPU with AMX-BF16; use --quant int4 here")
     return ext.int4_amx_mm(x.to(torch.bfloat16).contiguous(), packed, scale_zero, group, out_dtype == torch.bfloat16)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int in -127..127 and scale [N] (bf16 values) -> (packed [Np / 16, K / 32, 2, 256] uint8: per chunk
+    the high then the low nibbles of q + 128 in `pack`'s layout; scale [Np] float32), N padded to a multiple of 16."""
+    u = q.to(torch.int32) + 128
+    ones = torch.ones(q.shape[0], q.shape[1] // CHUNK)  # pack's scale and zero are not used here
+    hi, _ = pack(u >> 4, ones, ones)
+    lo, _ = pack(u & 15, ones, ones)
+    scale = torch.nn.functional.pad(scale.float(), (0, hi.shape[0] * TILE - q.shape[0]))
+    return torch.stack([hi, lo], dim=2).contiguous(), scale.contiguous()
+
+
+def dequantize_int8(packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    ones = torch.zeros(packed.shape[0], packed.shape[1], 2 * TILE, dtype=torch.int16)
+    hi, _, _ = unpack(packed[:, :, 0].contiguous(), ones)
+    lo, _, _ = unpack(packed[:, :, 1].contiguous(), ones)
+    return ((hi * 16 + lo - 128).float() * scale[:, None])[:out_features]
+
+
+def int8_amx_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [k, K] (rounded to bf16) times int8 weights packed by `pack_int8` -> [k, Np] float32 or bfloat16:
+    sum over the row of x * q in AMX tiles (four chains, added in order), times the channel's scale."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("the int8-amx kernel needs a CPU with AMX-BF16; use --quant int8 here")
+    return ext.int8_amx_mm(x.to(torch.bfloat16).contiguous(), packed, scale, out_dtype == torch.bfloat16)

@@ -12,9 +12,9 @@ from torch import nn
 from specdecode.errors import InvalidRequestError
 from specdecode.kernels import int4_amx, w4a8
 
-QUANTS = ("none", "int8", "int4", "int4-amx", "w4a8")
+QUANTS = ("none", "int8", "int4", "int4-amx", "int8-amx", "w4a8")
 GROUPED = ("int4", "int4-amx")  # the kinds that take a group size: "int4-g64"
-OUR_KERNELS = {"w4a8": w4a8, "int4-amx": int4_amx}  # kinds whose kernel is our C++ build, by module
+OUR_KERNELS = {"w4a8": w4a8, "int4-amx": int4_amx, "int8-amx": int4_amx}  # kinds whose kernel is our C++ build
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
 
@@ -170,10 +170,50 @@ class Int4AmxLinear(Linear):
         return y[:, :self.out_features].contiguous().to(rows.dtype)  # no copy where the width is a multiple of 16
 
 
-def _require_amx() -> None:
-    if not kernel_available("int4-amx"):
-        raise InvalidRequestError("--quant int4-amx needs a CPU with AMX-BF16 (Sapphire Rapids or later) and a "
-                                  "C++ compiler; use --quant int4 here")
+class Int8AmxLinear(Linear):
+    """Weight-only int8, symmetric per output channel (W ~ q * scale, scale a bf16 value), in our AMX kernel.
+
+    The int4-amx machinery twice per weight: q + 128 is split into two nibbles, each dequantized through a table
+    into its own tile (16 * (hi - 8) and lo - 8, exact in bf16), and x * 8 * scale restores the offset. The scale
+    is per channel, so no rescale per group: k <= 16 rows cost about what one does. Row-invariant like int4-amx.
+    An int4-amx target's lm_head (llama.cpp keeps its output layer wider than its blocks too).
+    """
+
+    quant = "int8-amx"
+    row_invariant = True
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(out_features, packed.shape[1] * int4_amx.CHUNK, bias, dtype)
+        self.register_buffer("packed", packed)  # [out padded to 16 / 16, in / 32, 2, 256] uint8
+        self.register_buffer("scale", scale)  # [out padded] float32 (bf16 values)
+        self.register_buffer("width", torch.tensor(out_features))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8AmxLinear":
+        _require_amx("int8-amx")
+        if weight.shape[1] % int4_amx.CHUNK:
+            raise InvalidRequestError(f"int8-amx needs a width that is a multiple of {int4_amx.CHUNK}; this layer "
+                                      f"is {weight.shape[1]} wide")
+        w = weight.float()
+        scale = (w.abs().amax(1, keepdim=True).clamp(min=1e-10) / 127).to(torch.bfloat16).float()  # [N, 1]
+        q = (w / scale).round().clamp(-127, 127)
+        return cls(*int4_amx.pack_int8(q, scale.squeeze(1)), weight.shape[0], bias, weight.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return int4_amx.dequantize_int8(self.packed, self.scale, self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
+        y = int4_amx.int8_amx_mm(rows, self.packed, self.scale, out_dtype)
+        return y[:, :self.out_features].contiguous().to(rows.dtype)
+
+
+def _require_amx(kind: str = "int4-amx") -> None:
+    if not kernel_available(kind):
+        fallback = "int4" if kind == "int4-amx" else "int8"
+        raise InvalidRequestError(f"--quant {kind} needs a CPU with AMX-BF16 (Sapphire Rapids or later) and a "
+                                  f"C++ compiler; use --quant {fallback} here")
 
 
 class W4A8Linear(Linear):
@@ -205,11 +245,11 @@ class W4A8Linear(Linear):
 
 
 def parse_quant(quant: str) -> tuple[str, int]:
-    """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'w4a8' -> (kind, int4 group size)."""
+    """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'int8-amx' | 'w4a8' -> (kind, int4 group size)."""
     kind, sep, group = quant.partition("-g")
     if kind not in QUANTS or (sep and (kind not in GROUPED or not group.isdigit())):
         raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128, "
-                                  "int4-amx (same, with -gG), w4a8 or auto")
+                                  "int4-amx (same, with -gG), int8-amx, w4a8 or auto")
     if sep and int(group) not in INT4_GROUP_SIZES:
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     return kind, int(group) if sep else DEFAULT_INT4_GROUP
@@ -230,6 +270,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: s
         return Int4Linear.quantize(weight, bias, group)
     if kind == "int4-amx":
         return Int4AmxLinear.quantize(weight, bias, group)
+    if kind == "int8-amx":
+        return Int8AmxLinear.quantize(weight, bias)
     if kind == "w4a8":
         return W4A8Linear.quantize(weight, bias)
     return DenseLinear(weight, bias)
@@ -246,6 +288,9 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
     if kind == "int4-amx":  # a cache written on another CPU, or a kernel that no longer builds
         _require_amx()
         return Int4AmxLinear(tensors["packed"], tensors["scale_zero"], group, int(tensors["width"]), bias, dtype)
+    if kind == "int8-amx":
+        _require_amx(kind)
+        return Int8AmxLinear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
     if kind == "w4a8":
         return W4A8Linear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
     return DenseLinear(tensors["weight"], bias)
