@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specdecode.engine
-from specdecode.builder import build_generator, build_scheduler
+from specdecode.builder import build_generator, build_scheduler, target_head_quant
 from specdecode.engine import GenerationResult
 from specdecode.models.loading import load_model
 from tests.test_int4_amx import needs_amx
@@ -45,7 +45,7 @@ def assert_same_logits(got: dict[int, torch.Tensor], expected: dict[int, torch.T
 def pair(request, tiny_pair):
     target, draft = tiny_pair
     dtype, quant = request.param
-    return (load_model(target.source, dtype=dtype, decode_width=9, quant=quant),
+    return (load_model(target.source, dtype=dtype, decode_width=9, quant=quant, head_quant=target_head_quant(quant)),
             load_model(draft.source, dtype=dtype, quant=quant))
 
 

@@ -99,7 +99,7 @@ def run_ops(case: dict, b: slice = slice(None), t: slice = slice(None)) -> tuple
 
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hd", [16, 64, 128])
+@pytest.mark.parametrize("hd", [16, 48, 64, 96, 128, 256])
 def test_rope_attention_matches_pytorch(dtype, hd):
     case = attention_case(dtype, hd)
     out, k_cache, v_cache = run_ops(case)
@@ -143,6 +143,22 @@ def test_rope_attention_ignores_unseen_keys_and_the_mask_width():
 
 
 @needs_ops
+def test_a_key_some_rows_do_not_see_never_reaches_them():
+    """As with a token tree: row 0 does not see slot 5, the others do. Whatever slot 5 holds, row 0 gets
+    what it gets when no row sees slot 5; and a mask width that is not a multiple of 16 changes nothing."""
+    case = attention_case(torch.float32, 64, B=1)
+    case["mask"] = case["mask"][..., :317].clone()  # seen slots end at 308
+    case["mask"][0, 0, 5] = False
+    alone = run_ops(dict(case, mask=case["mask"].clone().index_fill_(2, torch.tensor([5]), False)))[0]
+    for junk in (float("nan"), 1e30, -1e30):
+        noisy = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone())
+        noisy["k_cache"][0, :, 5], noisy["v_cache"][0, :, 5] = junk, junk  # row 2 of the cache is sequence 0
+        noisy["k_cache"][2, :, 5], noisy["v_cache"][2, :, 5] = junk, junk
+        out = run_ops(noisy)[0]
+        assert torch.equal(out[0, 0], alone[0, 0]), junk
+
+
+@needs_ops
 def test_decode_ops_refuse_bad_input():
     case = attention_case(torch.float32, 64)
     with pytest.raises(RuntimeError, match="head_dim"):
@@ -160,9 +176,36 @@ def test_decode_ops_refuse_bad_input():
 
 
 @needs_ops
-def test_the_decoder_uses_the_ops_and_drops_padding_only_with_row_invariant_linears(tiny_pair):
+def test_decode_steps_run_the_ops_and_prefills_do_not(tiny_pair, monkeypatch):
     target = tiny_pair[0].model
     assert target.fused_ops and not target.rows_independent  # dense float32 linears: bit-exact pads
+    calls = []
+    real = decode_ops.rope_attention
+    monkeypatch.setattr(decode_ops, "rope_attention", lambda qkv, *a: calls.append(qkv.shape[1]) or real(qkv, *a))
+    build_generator(tiny_pair[0], drafter="none").generate(list(range(1, 31)), max_new_tokens=4, eos_ids=[])
+    layers = len(target.blocks)
+    assert calls == [9] * 4 * layers  # the 29-token prefill took PyTorch's ops; each step 9 padded rows
+
+
+@needs_ops
+def test_the_invariance_check_catches_a_linear_that_wrongly_claims_row_invariance(tiny_pair):
+    """Test of the test: with every block linear flagged row-invariant nothing is padded, so a linear whose
+    rows depend on the row count must show up as mismatches between 1-token and k-token steps."""
+    from specdecode.models.linear import DenseLinear
+    from tests.test_runtime import _invariance_mismatches
+
+    class Claims(DenseLinear):
+        row_invariant = True
+
+        def _matmul(self, rows):
+            return super()._matmul(rows) * (1 + 1e-6 * rows.shape[0])
+
+    model = load_model(tiny_pair[0].source, decode_width=9).model
+    for block in model.blocks:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(block, name, Claims(getattr(block, name).weight, getattr(block, name).bias))
+    assert model.rows_independent
+    assert _invariance_mismatches(model) > 0
 
 
 @needs_ops

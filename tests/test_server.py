@@ -15,6 +15,7 @@ import pytest
 
 from specdecode import cli
 from specdecode.builder import build_generator, build_scheduler
+from specdecode.kernels import decode_ops
 from specdecode.serving.app import create_app, serve_in_thread
 
 from .conftest import CHAT
@@ -63,7 +64,9 @@ def test_completion_equals_the_generate_command(server):
                          "--prompt", "quick brown fox", "--max-new-tokens", "25", "--json"]) == 0
     printed = json.loads(out.getvalue())
     expected = printed["text"]
-    assert printed["target"] == {"dtype": "float32", "quant": "none"}  # --dtype auto: float32 in the tests
+    # --dtype auto: float32 in the tests; dense linears pad every layer in bit-exact mode
+    assert printed["target"] == {"dtype": "float32", "quant": "none", "lm_head": "none",
+                                 "decode_ops": decode_ops.extension() is not None, "padding": "every layer"}
     r = server.client.completions.create(model="tiny", prompt="quick brown fox", max_tokens=25, temperature=0)
     assert r.choices[0].text == expected
 

@@ -31,11 +31,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "greedy output may then differ from plain decoding at near-ties)")
 
 
+def _padding(model) -> str:
+    """Which rows of a decode step bit-exact mode pads to the verify width: all, the dense lm_head's, or none."""
+    if model.decode_width is None:
+        return "off (--no-bit-exact)"
+    if not (model.fused_ops and model.rows_independent):
+        return "every layer"
+    return "none" if model.lm_head.row_invariant else "lm_head only"
+
+
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="none", metavar="Q",
                    help="weight-only quantization of the target's linears: none (default), int8 (per output channel), "
                         "int4 (groups of 32; int4-g64 / int4-g128; torch's kernel), int4-amx (the same numbers in our AMX "
-                        "kernel: k <= 16 rows cost about one; AMX CPUs only), w4a8 (our C++ int4 x int8 kernel), or auto (the "
+                        "kernel: k <= 16 rows cost about one; AMX CPUs only; the lm_head then int8-amx), int8-amx "
+                        "(per-channel int8 on the same tiles), w4a8 (our C++ int4 x int8 kernel), or auto (the "
                         "fastest kernel on this CPU). "
                         "Quantizing the target changes its outputs")
     p.add_argument("--draft-quant", default="auto", metavar="Q",
@@ -77,7 +87,9 @@ def _generate(args: argparse.Namespace) -> int:
     result = stream.result
     assert result is not None
     out = result.to_dict()
-    out["target"] = {"dtype": str(target.model.dtype).removeprefix("torch."), "quant": target.model.blocks[0].down.quant}
+    model = target.model
+    out["target"] = {"dtype": str(model.dtype).removeprefix("torch."), "quant": model.blocks[0].down.quant,
+                     "lm_head": model.lm_head.quant, "decode_ops": model.fused_ops, "padding": _padding(model)}
     if args.compare_plain:
         plain = build_generator(target, drafter="none")
         base = plain.generate(args.prompt, **request)
@@ -92,7 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
               f"{s.target_forward_passes} target passes, mean accepted length {s.mean_accepted_length:.2f}, "
               f"acceptance {s.acceptance_rate:.1%} | draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s | "
               f"finish: {result.finish_reason} | target in {out['target']['dtype']}, {out['target']['quant']} "
-              f"linears]", file=sys.stderr)
+              f"linears, {out['target']['lm_head']} lm_head, {'C++' if model.fused_ops else 'PyTorch'} decode ops, "
+              f"bit-exact padding: {out['target']['padding']}]", file=sys.stderr)
         if args.compare_plain:
             p = out["plain"]
             print(f"[plain decoding: {p['tokens_per_second']:.2f} tok/s; speedup {p['speedup']:.2f}x; "

@@ -48,8 +48,8 @@ def build(source: Path, isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
                                   extra_cflags=[*FLAGS, *isa_flags])
     except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
         warnings.warn(f"the {source.stem} C++ kernel could not be built in {build_dir} (w4a8 then runs its slow "
-                      f"pure-torch reference; int4-amx is unavailable). The build said: ...{str(exc)[-1500:]}",
-                      stacklevel=3)
+                      f"pure-torch reference; int4-amx and int8-amx are unavailable; the decoder keeps PyTorch's ops "
+                      f"and pads). The build said: ...{str(exc)[-1500:]}", stacklevel=3)
         return None
 
 

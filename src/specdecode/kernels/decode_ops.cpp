@@ -10,7 +10,7 @@
 //
 // Arithmetic (float32 throughout; bf16 inputs are widened exactly, bf16 outputs rounded to nearest even):
 //   rms_norm:  ss = sum of x^2 in 16 interleaved partial sums (fused multiply-add), added 0..15 in order;
-//              y = dtype(x * (1 / sqrt(ss / D + eps))); out = dtype(w * y)          (as transformers' RMSNorm)
+//              y = dtype(x * (1 / sqrt(ss / D + eps))); out = dtype(w * y)  (transformers' RMSNorm, up to rounding)
 //   silu_mul:  out = dtype(dtype(g / (1 + exp(-g))) * u)
 //   attention: rope on q and k in float32 (k rounded to the cache's dtype as it is written); for each query row,
 //              s_j = (q . k_j) / sqrt(hd) over the keys it sees (products summed in order of the head dimension),
@@ -70,10 +70,10 @@ inline void store16(BF16* p, __m512 v, __mmask16 k = 0xFFFF) {
 inline __m512 round_to(float*, __m512 v) { return v; }
 inline __m512 round_to(BF16*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
 
-// exp(x): 0 below -87.3 (and for -inf); the same operations for every lane
+// exp(x): 0 below -87.3 (and for -inf), inf above 88.7, NaN for NaN; the same operations for every lane
 inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
+  const __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x));  // (lo, x) and (hi, .): a NaN x passes through
   const __m512 n = _mm512_roundscale_ps(
       _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -86,7 +86,9 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), r), _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   const __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-  return _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+  const __m512 low = _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(low, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ),
+                            _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 
 // lane l of the result: the sum of v[l]'s 16 lanes, by one fixed tree of additions
@@ -196,8 +198,11 @@ void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, c
   // 2. per (sequence, kv head): its G * Tn query rows (row r = g * Tn + t) against the keys each sees
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(R * hd), s(R * K), kf((K + kW) * hd), vf(K * hd), m(R);
-    std::vector<char> any(K);
+    // per-thread buffers, grown but never cleared: every entry a row reads is written first (stale keys past a
+    // block's end or unseen by every row are only read into lanes the mask then discards)
+    thread_local std::vector<float> q, s, kf, vf, m;
+    thread_local std::vector<char> any;
+    q.resize(R * hd); s.resize(R * K); kf.resize((K + kW) * hd); vf.resize(K * hd); m.resize(R); any.resize(K);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
       const T* keys = kc + (rows[b] * KVH + kvh) * cap * hd;

@@ -30,6 +30,7 @@
 #include <array>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define SPECDECODE_AMX 1
@@ -45,12 +46,14 @@ constexpr int kPrefetch = 2048;  // bytes ahead in the packed weights (the hardw
 // xs[m * G + g]: x's sum over group g, left to right in fp32
 void group_sums(const at::BFloat16* x, int64_t k, int64_t K, int64_t group, float* xs) {
   const int64_t G = K / group;
-  for (int64_t m = 0; m < k; ++m)
-    for (int64_t g = 0; g < G; ++g) {
+  at::parallel_for(0, k * G, 64, [&](int64_t begin, int64_t end) {  // each sum alone: any split is exact
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / G, g = i % G;
       float s = 0.f;
       for (int64_t c = g * group; c < (g + 1) * group; ++c) s = s + static_cast<float>(x[m * K + c]);
-      xs[m * G + g] = s;
+      xs[i] = s;
     }
+  });
 }
 
 #ifdef SPECDECODE_AMX
@@ -124,11 +127,14 @@ inline void rescale(__m512* acc, const float* cbuf, const uint16_t* sz, const fl
 }
 
 // NG (1..4) groups, each accumulating in its own C tile (4 + i), then rescaled into acc
+// (dequantize: false when btile already holds these groups' weights, for another block of rows)
 template <int M, int NG>
 inline void groups(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t K, const float* xs, int64_t G,
-                   int cpg, int64_t g0, __m512* acc, uint16_t* btile, float* cbuf, __m512i table) {
+                   int cpg, int64_t g0, __m512* acc, uint16_t* btile, float* cbuf, __m512i table,
+                   bool dequantize = true) {
   // all the batch's weights first: a tile load of data just stored waits for the stores to reach the cache
-  for (int i = 0; i < NG * cpg; ++i) dequantize_chunk(w + (g0 * cpg + i) * kChunkBytes, btile + i * 512, table);
+  if (dequantize)
+    for (int i = 0; i < NG * cpg; ++i) dequantize_chunk(w + (g0 * cpg + i) * kChunkBytes, btile + i * 512, table);
   for (int c = 0; c < cpg; ++c) {
     const int64_t ch = g0 * cpg + c;
     CHUNK_MM(4, 0, 2, ch, btile + c * 512);
@@ -142,6 +148,14 @@ inline void groups(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int6
   if (NG > 2) { _tile_stored(6, cbuf + 512, 64); _tile_zero(6); }
   if (NG > 3) { _tile_stored(7, cbuf + 768, 64); _tile_zero(7); }
   rescale<M, NG>(acc, cbuf, sz, xs, G, g0);
+}
+
+inline void store_row(void* out, int64_t row, int64_t ldo, __m512 acc, bool bf16_out) {
+  if (bf16_out)  // round to nearest even, as torch's .to(torch.bfloat16) (but denormals become zero)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + row * ldo),
+                        (__m256i)_mm512_cvtneps_pbh(acc));
+  else
+    _mm512_storeu_ps(static_cast<float*>(out) + row * ldo, acc);
 }
 
 // 16 outputs for M rows: w, sz point at the N-tile's packed weights and scales; x, xs, out at row 0
@@ -159,13 +173,36 @@ void n_tile(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t K, 
     case 1: groups<M, 1>(w, sz, x, K, xs, G, cpg, g, acc, btile, cbuf, table); break;
     default: break;
   }
-  for (int m = 0; m < M; ++m) {
-    if (bf16_out)  // round to nearest even, as torch's .to(torch.bfloat16) (but denormals become zero)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + m * ldo),
-                          (__m256i)_mm512_cvtneps_pbh(acc[m]));
-    else
-      _mm512_storeu_ps(static_cast<float*>(out) + m * ldo, acc[m]);
+  for (int m = 0; m < M; ++m) store_row(out, m, ldo, acc[m], bf16_out);
+}
+
+// Prefill (2+ full blocks of 16 rows): 16 outputs for all the blocks, each batch of groups dequantized once
+// and used by every block (n_tile dequantizes per block). Each row gets n_tile<16>'s operations exactly: its
+// accumulators go through memory between batches, which is exact.
+void n_tile_blocks(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t K, const float* xs, int64_t G,
+                   int cpg, int64_t blocks, void* out, bool bf16_out, int64_t ldo, uint16_t* btile, float* cbuf,
+                   float* accbuf) {
+  const __m512i table = bf16_table();
+  std::fill(accbuf, accbuf + blocks * 256, 0.0f);
+  auto batch = [&](auto ng, int64_t g0) {
+    constexpr int NG = decltype(ng)::value;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 acc[kMaxRows];
+      for (int m = 0; m < kMaxRows; ++m) acc[m] = _mm512_loadu_ps(accbuf + b * 256 + 16 * m);
+      groups<kMaxRows, NG>(w, sz, x + b * kMaxRows * K, K, xs + b * kMaxRows * G, G, cpg, g0, acc, btile, cbuf,
+                           table, b == 0);
+      for (int m = 0; m < kMaxRows; ++m) _mm512_storeu_ps(accbuf + b * 256 + 16 * m, acc[m]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) batch(std::integral_constant<int, 4>{}, g);
+  switch (G - g) {
+    case 3: batch(std::integral_constant<int, 3>{}, g); break;
+    case 2: batch(std::integral_constant<int, 2>{}, g); break;
+    case 1: batch(std::integral_constant<int, 1>{}, g); break;
+    default: break;
   }
+  for (int64_t r = 0; r < blocks * kMaxRows; ++r) store_row(out, r, ldo, _mm512_loadu_ps(accbuf + 16 * r), bf16_out);
 }
 
 using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const float*, int64_t, int, void*,
@@ -270,10 +307,18 @@ torch::Tensor int4_amx_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   char* op = static_cast<char*>(out.data_ptr());
   const int64_t osize = out.element_size();
   const int cpg = static_cast<int>(group / kChunk);
+  const int64_t blocks = k >= 2 * kMaxRows ? k / kMaxRows : 0;  // full 16-row blocks done together (prefill)
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint16_t btile[16 * 512];  // 4 groups of up to 128 inputs
     alignas(64) float cbuf[4 * 256];
-    for (int64_t m0 = 0; m0 < k; m0 += kMaxRows) {
+    if (blocks) {
+      std::vector<float> accbuf(blocks * 256);
+      configure(kMaxRows);
+      for (int64_t t = begin; t < end; ++t)
+        n_tile_blocks(wp + t * (K / kChunk) * kChunkBytes, szp + t * G * 32, xp, K, xsp, G, cpg, blocks,
+                      op + t * 16 * osize, bf16_out, N, btile, cbuf, accbuf.data());
+    }
+    for (int64_t m0 = blocks * kMaxRows; m0 < k; m0 += kMaxRows) {
       const int M = static_cast<int>(std::min<int64_t>(kMaxRows, k - m0));
       configure(M);
       for (int64_t t = begin; t < end; ++t)

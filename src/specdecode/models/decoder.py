@@ -5,17 +5,24 @@ One forward takes T new tokens per sequence, writes their keys/values at cache s
 just the `start` of its next forward, and stale slots beyond it are never visible (a query at
 position p sees cache slots j <= p, or the slots its tree mask allows).
 
-Bit-exact mode (`decode_width=W`): every forward of T <= W tokens is padded to exactly W rows,
-so a plain 1-token step and a (1 + gamma)-token verify step run the same kernels on the same
-shapes, and a token's logits do not depend on how many tokens share its forward. Attention
-walks the cache in fixed blocks of `ATTN_BLOCK` keys in a fixed order (online softmax), so a
-query's reductions do not depend on the cache length or on masked keys.
+Bit-exact mode (`decode_width=W`): a token's logits must not depend on how many tokens share its
+forward. Two ways, chosen per model:
+- Row-invariant by construction: forwards of up to FUSED_MAX_ROWS tokens run RMSNorm, rotary attention
+  and SiLU * up as C++ ops that compute every row by the same fixed operations (kernels/decode_ops.py,
+  AVX-512 CPUs); with linears that do the same (int4-amx, int8-amx) no row is padded. A dense lm_head
+  still gets its fixed shape of W rows (its kernel's order depends on the row count).
+- Padding: otherwise every forward of T <= W tokens is padded to exactly W rows, so a plain 1-token
+  step and a (1 + gamma)-token verify step run the same kernels on the same shapes. The PyTorch
+  attention walks the cache in fixed blocks of `ATTN_BLOCK` keys in a fixed order (online softmax), so
+  a query's reductions do not depend on the cache length or on masked keys.
+Longer forwards (prefills) use the PyTorch ops; plain and speculative decoding prefill the same way.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -26,6 +33,7 @@ from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_l
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 FUSED_MAX_ROWS = 16  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
+ROPE_CHUNK = 1024  # positions per chunk of the cos / sin tables
 
 
 @dataclass
@@ -187,6 +195,7 @@ class Transformer(nn.Module):
         self.fused_ops = (self.device.type == "cpu" and decode_ops.extension() is not None
                           and cfg.head_dim in decode_ops.HEAD_DIMS and embed.dtype in (torch.float32, torch.bfloat16))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(embed.device), persistent=False)
+        self._rope_cos = self._rope_sin = torch.zeros(0, cfg.head_dim, device=embed.device)  # see _rope_tables
 
     @property
     def dtype(self) -> torch.dtype:
@@ -202,13 +211,14 @@ class Transformer(nn.Module):
                         quant: str = "none", head_rows: int | None = None, head_quant: str = "none") -> "Transformer":
         """Build from Hugging Face parameter names (GGUF loading maps to them too).
 
-        quant: quantization of every linear of the blocks ("none", "int8", "int4[-gG]", "int4-amx[-gG]", "w4a8"),
-        done layer by layer as the weights are taken. The embedding stays in `dtype` (a lookup reads one row
-        per token); a target's lm_head too: kept wide for quality (llama.cpp keeps its output layer wider).
+        quant: quantization of every linear of the blocks ("none", "int8", "int4[-gG]", "int4-amx[-gG]",
+        "int8-amx", "w4a8"), done layer by layer as the weights are taken. The embedding stays in `dtype` (a
+        lookup reads one row per token).
         head_rows: keep only the lm_head's first rows (a draft's reduced vocabulary: logits for token ids
         below it; byte-level BPE vocabularies list their most frequent merges first).
-        head_quant: the lm_head's quantization: "none" for targets; a draft's may be quantized, since its
-        precision only changes how often its tokens are accepted (its head is a third of its weights).
+        head_quant: the lm_head's quantization: a target's stays wider than its blocks (see
+        `builder.target_head_quant`); a draft's may be as narrow, since its precision only changes how often
+        its tokens are accepted (its head is a third of its weights).
         """
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -339,14 +349,14 @@ class Transformer(nn.Module):
         if int(slots.max()) >= cache.capacity:
             raise ValueError(f"sequence of {int(slots.max()) + 1} tokens exceeds the cache capacity {cache.capacity}")
         mask = self._visibility(start, slots, positions, tree_mask)  # [B, Tp, K]
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, Tp, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [B, Tp, hd]
+        cos, sin = self._rope_tables(int(positions.max()) + 1)
+        cos, sin = cos[positions], sin[positions]  # [B, Tp, hd] float32
         if fused:
-            step = StepInputs(torch.arange(B) if rows is None else rows, slots, emb.cos(), emb.sin(), mask, True)
+            step = StepInputs(torch.arange(B) if rows is None else rows, slots, cos, sin, mask, True)
         else:
-            emb = emb.unsqueeze(1)  # [B, 1, Tp, hd]
             blocks = mask.unsqueeze(1).split(ATTN_BLOCK, dim=-1)
-            step = StepInputs(rows, slots, emb.cos().to(self.dtype), emb.sin().to(self.dtype), list(blocks), False)
+            step = StepInputs(rows, slots, cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype),
+                              list(blocks), False)
         x = self.embed[tokens]
         for i, block in enumerate(self.blocks):
             x = block(x, i, cache, step)
@@ -371,7 +381,19 @@ class Transformer(nn.Module):
         logits, h = logits.cpu(), h.cpu()
         return (logits, h) if return_hidden else logits
 
-    @property
+    def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position below n: [>= n, hd] float32. Built in chunks of ROPE_CHUNK positions
+        of one shape, so a position's values never depend on how many positions a forward has (torch's cos may
+        round an element differently in another tensor shape)."""
+        while self._rope_cos.shape[0] < n:
+            first = self._rope_cos.shape[0]
+            freqs = torch.arange(first, first + ROPE_CHUNK, device=self.device).float().unsqueeze(-1) * self.inv_freq
+            emb = torch.cat([freqs, freqs], dim=-1)  # [ROPE_CHUNK, hd]
+            self._rope_cos = torch.cat([self._rope_cos, emb.cos()])
+            self._rope_sin = torch.cat([self._rope_sin, emb.sin()])
+        return self._rope_cos, self._rope_sin
+
+    @cached_property
     def rows_independent(self) -> bool:
         """Whether every linear of the blocks computes each row independently of the others (by construction)."""
         return all(m.row_invariant for m in self.blocks.modules() if isinstance(m, Linear))
