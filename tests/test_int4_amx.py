@@ -154,8 +154,8 @@ def test_int8_amx_refuses_widths_that_are_not_a_multiple_of_32():
 
 
 @needs_amx
-def test_prefill_blocks_give_each_row_what_it_gets_alone():
-    """k >= 32 rows go through full 16-row blocks that share each dequantized batch of weights."""
+def test_many_rows_give_each_row_what_it_gets_alone():
+    """Prefills and server batches send more than one 16-row tile: rows must not notice."""
     weight, _, (packed, scale_zero) = _case(48, 256, 64, seed=3)
     x = torch.randn(45, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     alone = torch.cat([int4_amx.int4_amx_mm(x[t:t + 1], packed, scale_zero, 64) for t in range(45)])

@@ -30,7 +30,6 @@
 #include <array>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define SPECDECODE_AMX 1
@@ -127,14 +126,11 @@ inline void rescale(__m512* acc, const float* cbuf, const uint16_t* sz, const fl
 }
 
 // NG (1..4) groups, each accumulating in its own C tile (4 + i), then rescaled into acc
-// (dequantize: false when btile already holds these groups' weights, for another block of rows)
 template <int M, int NG>
 inline void groups(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t K, const float* xs, int64_t G,
-                   int cpg, int64_t g0, __m512* acc, uint16_t* btile, float* cbuf, __m512i table,
-                   bool dequantize = true) {
+                   int cpg, int64_t g0, __m512* acc, uint16_t* btile, float* cbuf, __m512i table) {
   // all the batch's weights first: a tile load of data just stored waits for the stores to reach the cache
-  if (dequantize)
-    for (int i = 0; i < NG * cpg; ++i) dequantize_chunk(w + (g0 * cpg + i) * kChunkBytes, btile + i * 512, table);
+  for (int i = 0; i < NG * cpg; ++i) dequantize_chunk(w + (g0 * cpg + i) * kChunkBytes, btile + i * 512, table);
   for (int c = 0; c < cpg; ++c) {
     const int64_t ch = g0 * cpg + c;
     CHUNK_MM(4, 0, 2, ch, btile + c * 512);
@@ -174,35 +170,6 @@ void n_tile(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t K, 
     default: break;
   }
   for (int m = 0; m < M; ++m) store_row(out, m, ldo, acc[m], bf16_out);
-}
-
-// Prefill (2+ full blocks of 16 rows): 16 outputs for all the blocks, each batch of groups dequantized once
-// and used by every block (n_tile dequantizes per block). Each row gets n_tile<16>'s operations exactly: its
-// accumulators go through memory between batches, which is exact.
-void n_tile_blocks(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int64_t K, const float* xs, int64_t G,
-                   int cpg, int64_t blocks, void* out, bool bf16_out, int64_t ldo, uint16_t* btile, float* cbuf,
-                   float* accbuf) {
-  const __m512i table = bf16_table();
-  std::fill(accbuf, accbuf + blocks * 256, 0.0f);
-  auto batch = [&](auto ng, int64_t g0) {
-    constexpr int NG = decltype(ng)::value;
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 acc[kMaxRows];
-      for (int m = 0; m < kMaxRows; ++m) acc[m] = _mm512_loadu_ps(accbuf + b * 256 + 16 * m);
-      groups<kMaxRows, NG>(w, sz, x + b * kMaxRows * K, K, xs + b * kMaxRows * G, G, cpg, g0, acc, btile, cbuf,
-                           table, b == 0);
-      for (int m = 0; m < kMaxRows; ++m) _mm512_storeu_ps(accbuf + b * 256 + 16 * m, acc[m]);
-    }
-  };
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) batch(std::integral_constant<int, 4>{}, g);
-  switch (G - g) {
-    case 3: batch(std::integral_constant<int, 3>{}, g); break;
-    case 2: batch(std::integral_constant<int, 2>{}, g); break;
-    case 1: batch(std::integral_constant<int, 1>{}, g); break;
-    default: break;
-  }
-  for (int64_t r = 0; r < blocks * kMaxRows; ++r) store_row(out, r, ldo, _mm512_loadu_ps(accbuf + 16 * r), bf16_out);
 }
 
 using TileFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, const float*, int64_t, int, void*,
@@ -307,18 +274,10 @@ torch::Tensor int4_amx_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   char* op = static_cast<char*>(out.data_ptr());
   const int64_t osize = out.element_size();
   const int cpg = static_cast<int>(group / kChunk);
-  const int64_t blocks = k >= 2 * kMaxRows ? k / kMaxRows : 0;  // full 16-row blocks done together (prefill)
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint16_t btile[16 * 512];  // 4 groups of up to 128 inputs
     alignas(64) float cbuf[4 * 256];
-    if (blocks) {
-      std::vector<float> accbuf(blocks * 256);
-      configure(kMaxRows);
-      for (int64_t t = begin; t < end; ++t)
-        n_tile_blocks(wp + t * (K / kChunk) * kChunkBytes, szp + t * G * 32, xp, K, xsp, G, cpg, blocks,
-                      op + t * 16 * osize, bf16_out, N, btile, cbuf, accbuf.data());
-    }
-    for (int64_t m0 = blocks * kMaxRows; m0 < k; m0 += kMaxRows) {
+    for (int64_t m0 = 0; m0 < k; m0 += kMaxRows) {
       const int M = static_cast<int>(std::min<int64_t>(kMaxRows, k - m0));
       configure(M);
       for (int64_t t = begin; t < end; ++t)
