@@ -225,7 +225,11 @@ def _doctor(args: argparse.Namespace) -> int:
         ms = k["ms_by_k"]
         print(f"{k['name']:34s} " + " ".join(f"{ms[n]:6.2f}" for n in (1, 2, 4, 8, 9, 16))
               + f"   {k['flatness_8_over_1']:>11.2f}  {k['invariant_sequences']:>16d}  "
-              + ("yes" if k["bit_exact"] else "no (bit-exact mode pads to 9 rows)"))
+              + ("yes, by construction" if k["by_construction"] else "yes (sampled)" if k["bit_exact"]
+                 else "no (bit-exact mode pads to 9 rows)"))
+    print("\ndecode ops (RMSNorm, rope + attention, SiLU * up): " + (
+        "C++, row-invariant: targets with by-construction linears run unpadded" if report["decode_ops"]
+        else "PyTorch (no AVX-512 or no compiler): bit-exact mode pads every decode step"))
     for name, floors in report["floor_ms_per_token"].items():
         print(f"\nfloor for {name} (weights / bandwidth), ms per token: "
               + ", ".join(f"{c} {v}" for c, v in floors.items()))

@@ -14,7 +14,7 @@ import torch
 from specdecode.bench.runtime import cpu_name
 from specdecode.builder import VERIFY_WIDTH
 from specdecode.cpu import cpu_info
-from specdecode.kernels import w4a8
+from specdecode.kernels import decode_ops, w4a8
 from specdecode.models.config import ModelConfig
 from specdecode.models.autotune import fastest_dtype, fastest_quant, streamed_layers, time_rows
 from specdecode.models.linear import Linear, invariant_rows, kernel_available
@@ -96,6 +96,7 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
         kernels.append({"name": f"{name}/{dtype}", "dtype": dtype, "quant": quant,
                         "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
                         "bit_exact": row_invariant(layers[0]),
+                        "by_construction": layers[0].row_invariant,  # then bit-exact mode need not pad
                         # sequences of 9 rows one matmul may hold and stay bit-exact (a server batch's group)
                         "invariant_sequences": invariant_rows(layers[0], 9, 8)})
         del layers
@@ -107,7 +108,7 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": kernels, "bandwidth_gbs": round(bandwidth, 1),
-            "floor_ms_per_token": floors,
+            "floor_ms_per_token": floors, "decode_ops": decode_ops.extension() is not None,
             "chosen": {"target": {"dtype": target_dtype, "quant": "none",
                                   "quant_auto": fastest_quant(getattr(torch, target_dtype), VERIFY_WIDTH)},
                        "draft": {"dtype": draft_dtype, "quant": fastest_quant(getattr(torch, draft_dtype), 1)}}}
