@@ -364,22 +364,24 @@ class Transformer(nn.Module):
         if n == 0:  # a prefill that only fills the cache: no lm_head
             empty = torch.zeros(B, 0, self.lm_head.out_features)
             return (empty, x[:, :0].cpu()) if return_hidden else empty
-        eps = self.config.rms_norm_eps
+        logits, h = self._head(x, T, n, fused)
+        logits, h = logits.cpu(), h.cpu()
+        return (logits, h) if return_hidden else logits
+
+    def _head(self, x: torch.Tensor, T: int, n: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm and lm_head for the last n of the T real rows of x [B, Tp, D] -> (logits float32, h)."""
+        W, eps = self.decode_width, self.config.rms_norm_eps
         if fused:  # row-invariant norm; a head that is not gets its fixed shape of W rows in bit-exact mode
             h = decode_ops.rms_norm(x[:, T - n:T], self.norm, eps)
             if W is not None and T <= W and not self.lm_head.row_invariant:
-                logits = self.lm_head(torch.cat([h, h.new_zeros(B, W - n, h.shape[-1])], dim=1))[:, :n].float()
-            else:
-                logits = self.lm_head(h).float()
-        elif Tp == W:  # padded: keep the fixed shape through lm_head, then drop padding rows
+                rows = torch.cat([h, h.new_zeros(h.shape[0], W - n, h.shape[-1])], dim=1)
+                return self.lm_head(rows)[:, :n].float(), h
+            return self.lm_head(h).float(), h
+        if x.shape[1] == W:  # padded: keep the fixed shape through lm_head, then drop padding rows
             h = rms_norm(x, self.norm, eps)
-            logits = self.lm_head(h).float()[:, T - n:T]
-            h = h[:, T - n:T]
-        else:
-            h = rms_norm(x[:, T - n:], self.norm, eps)
-            logits = self.lm_head(h).float()
-        logits, h = logits.cpu(), h.cpu()
-        return (logits, h) if return_hidden else logits
+            return self.lm_head(h).float()[:, T - n:T], h[:, T - n:T]
+        h = rms_norm(x[:, T - n:], self.norm, eps)
+        return self.lm_head(h).float(), h
 
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position below n: [>= n, hd] float32. Built in chunks of ROPE_CHUNK positions
