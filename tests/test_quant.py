@@ -256,3 +256,12 @@ def test_auto_dtype_is_measured_once_and_only_for_cpus(tmp_path, monkeypatch):
     assert resolve_dtype("auto", 1) == "float32" and calls == [9, 9, 1, 1]
     assert resolve_dtype("float32", 9) == "float32" and resolve_dtype("auto", 9, "cuda") == "bfloat16"
     assert len(calls) == 4  # neither measured
+
+
+def test_an_empty_draft_vocabulary_is_refused_even_with_a_cached_model(tiny_pair):
+    from specdecode.builder import load_draft
+
+    load_draft(str(tiny_pair[1].source), dtype="float32", quant="int8")  # a cache entry for the full vocabulary
+    for bad in (0, -5):
+        with pytest.raises(InvalidRequestError, match="at least 1 token"):
+            load_draft(str(tiny_pair[1].source), dtype="float32", quant="int8", vocab=bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     models go through the packed
     weight cache (models/weight_cache.py), so only their first load dequantizes and packs."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    if head_rows is not None and head_rows < 1:
+        raise InvalidRequestError(f"a reduced vocabulary needs at least 1 token, got {head_rows}")
     for q in (quant, head_quant):
         parse_quant(q)  # a bad value fails before the slow part
         if q != "none" and dev.type != "cpu":
@@ -75,6 +78,10 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     model = cache.load_model(torch_dtype, settings, head_rows, decode_width, dev) if cache else None
     from_cache = model is not None
     if model is None:
+        if cache:
+            print(f"specdecode: first load of {path.name} as {str(torch_dtype).removeprefix('torch.')}/{settings}: "
+                  f"dequantizing and packing (about a minute), then cached in {cache.folder}", file=sys.stderr,
+                  flush=True)
         cfg, state = load_gguf(path, dtype=torch_dtype) if is_gguf else load_hf_folder(path)
         try:
             model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
