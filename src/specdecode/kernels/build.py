@@ -53,6 +53,17 @@ def build(source: Path, isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
         return None
 
 
+def build_for_cpu(source: Path, needs: set[str]) -> ModuleType | None:
+    """`source` compiled, where this CPU has the `needs` flags (/proc/cpuinfo names) and the build's own
+    `available()` agrees (e.g. the OS grants AMX); else None."""
+    from specdecode.cpu import cpu_info
+
+    if not needs <= set(cpu_info()[1]):
+        return None
+    ext = build(source)
+    return ext if ext is not None and ext.available() else None
+
+
 def _put_ninja_on_path() -> None:
     """torch runs `ninja` from PATH; the `ninja` wheel we depend on puts it in the venv's bin, which is only on
     PATH in an activated venv."""

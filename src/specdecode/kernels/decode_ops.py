@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from specdecode.kernels.build import build
+from specdecode.kernels.build import build_for_cpu
 
 SOURCE = Path(__file__).with_name("decode_ops.cpp")
 
@@ -22,12 +22,7 @@ SOURCE = Path(__file__).with_name("decode_ops.cpp")
 @cache
 def extension() -> ModuleType | None:
     """The compiled ops where this CPU runs them (AVX-512), else None: then the decoder uses PyTorch's ops."""
-    from specdecode.cpu import cpu_info
-
-    if not {"avx512f", "avx512bw", "avx512vl"} <= set(cpu_info()[1]):
-        return None
-    ext = build(SOURCE)
-    return ext if ext is not None and ext.available() else None
+    return build_for_cpu(SOURCE, {"avx512f", "avx512bw", "avx512vl"})
 
 
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # what rope_attention takes

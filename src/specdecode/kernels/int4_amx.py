@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from specdecode.kernels.build import build
+from specdecode.kernels.build import build_for_cpu
 
 CHUNK = 32  # inputs per tile multiply
 TILE = 16  # outputs per tile
@@ -27,12 +27,7 @@ SOURCE = Path(__file__).with_name("int4_amx.cpp")
 @cache
 def extension() -> ModuleType | None:
     """The compiled kernel where this CPU can run it, else None."""
-    from specdecode.cpu import cpu_info
-
-    if not {"amx_bf16", "amx_tile", "avx512bw"} <= set(cpu_info()[1]):
-        return None
-    ext = build(SOURCE)
-    return ext if ext is not None and ext.available() else None
+    return build_for_cpu(SOURCE, {"amx_bf16", "amx_tile", "avx512bw"})
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,17 +103,17 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     """q [N, K] int in -127..127 and scale [N] (bf16 values) -> (packed [Np / 16, K / 32, 2, 256] uint8: per chunk
     the high then the low nibbles of q + 128 in `pack`'s layout; scale [Np] float32), N padded to a multiple of 16."""
     u = q.to(torch.int32) + 128
-    ones = torch.ones(q.shape[0], q.shape[1] // CHUNK)  # pack's scale and zero are not used here
-    hi, _ = pack(u >> 4, ones, ones)
-    lo, _ = pack(u & 15, ones, ones)
+    unused = torch.ones(q.shape[0], q.shape[1] // CHUNK)  # pack's scale and zero: int8 has its own scale
+    hi, _ = pack(u >> 4, unused, unused)
+    lo, _ = pack(u & 15, unused, unused)
     scale = torch.nn.functional.pad(scale.float(), (0, hi.shape[0] * TILE - q.shape[0]))
     return torch.stack([hi, lo], dim=2).contiguous(), scale.contiguous()
 
 
 def dequantize_int8(packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
-    ones = torch.zeros(packed.shape[0], packed.shape[1], 2 * TILE, dtype=torch.int16)
-    hi, _, _ = unpack(packed[:, :, 0].contiguous(), ones)
-    lo, _, _ = unpack(packed[:, :, 1].contiguous(), ones)
+    unused = torch.zeros(packed.shape[0], packed.shape[1], 2 * TILE, dtype=torch.int16)  # no int4 scales here
+    hi, _, _ = unpack(packed[:, :, 0].contiguous(), unused)
+    lo, _, _ = unpack(packed[:, :, 1].contiguous(), unused)
     return ((hi * 16 + lo - 128).float() * scale[:, None])[:out_features]
 
 
