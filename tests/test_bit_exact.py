@@ -40,7 +40,8 @@ def assert_same_logits(got: dict[int, torch.Tensor], expected: dict[int, torch.T
 
 
 @pytest.fixture(scope="module", params=[("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
-                                        ("bfloat16", "int4"), pytest.param(("bfloat16", "int4-amx"), marks=needs_amx)],
+                                        ("bfloat16", "int4"), ("bfloat16", "w4a8"),
+                                        pytest.param(("bfloat16", "int4-amx"), marks=needs_amx)],
                 ids=lambda p: "-".join(p))
 def pair(request, tiny_pair):
     target, draft = tiny_pair

@@ -1,4 +1,5 @@
-"""The W4A8 C++ kernel: exactly the pure-torch reference's arithmetic, bit-exact across k, close to the float matmul."""
+"""The W4A8 C++ kernel and its int8-weight twin W8A8: exactly the pure-torch reference's arithmetic, bit-exact
+across k, close to the float matmul."""
 
 from __future__ import annotations
 
@@ -6,9 +7,20 @@ import pytest
 import torch
 
 from specdecode.kernels import w4a8
-from specdecode.models.linear import W4A8Linear, invariant_rows
+from specdecode.models.linear import W4A8Linear, W8A8Linear, invariant_rows
 
 SHAPES = [(96, 64), (40, 96), (33, 100), (70, 1536), (24, 200)]  # widths that are not multiples of 32 or 64 too
+PACKERS = {"w4": w4a8.quantize_weight, "w8": w4a8.quantize_weight8}
+
+
+def mm(ext, x, packed, scale):
+    """The extension's kernel for these packed weights (int4: uint8, int8: int8)."""
+    return (ext.w8a8_mm if packed.dtype == torch.int8 else ext.w4a8_mm)(x, packed, scale)
+
+
+def reference(ext, x, packed, scale):
+    """The pure-torch reference in the lanes this build of the kernel sums."""
+    return w4a8.reference_mm(x, packed, scale, ext.lanes(8 if packed.dtype == torch.int8 else 4))
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +49,25 @@ def test_activation_quantization_equals_the_reference(ext, N, K):
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
 
 
+@pytest.mark.parametrize("bits", PACKERS)
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_kernel_equals_the_reference_for_every_k(ext, N, K):
+def test_kernel_equals_the_reference_for_every_k(ext, N, K, bits):
     weight, x = _case(N, K)
-    packed, scale = w4a8.quantize_weight(weight)
+    packed, scale = PACKERS[bits](weight)
     for k in range(1, 17):
-        assert torch.equal(ext.w4a8_mm(x[:k], packed, scale), w4a8.reference_mm(x[:k], packed, scale)), k
+        assert torch.equal(mm(ext, x[:k], packed, scale), reference(ext, x[:k], packed, scale)), k
 
 
+@pytest.mark.parametrize("layer", [W4A8Linear, W8A8Linear])
 @pytest.mark.parametrize("N,K", SHAPES[:3])
-def test_each_row_is_what_it_is_alone(ext, N, K):
+def test_each_row_is_what_it_is_alone(ext, N, K, layer):
     weight, x = _case(N, K, seed=1)
-    packed, scale = w4a8.quantize_weight(weight)
-    alone = torch.cat([ext.w4a8_mm(x[t:t + 1], packed, scale) for t in range(16)])
+    packed, scale = layer.pack(weight)
+    alone = torch.cat([mm(ext, x[t:t + 1], packed, scale) for t in range(16)])
     for k in range(1, 17):
-        assert torch.equal(ext.w4a8_mm(x[:k], packed, scale), alone[:k]), k
+        assert torch.equal(mm(ext, x[:k], packed, scale), alone[:k]), k
     # and the measured group size of the server is the whole range asked
-    assert invariant_rows(W4A8Linear.quantize(weight), 9, 4) == 4
+    assert invariant_rows(layer.quantize(weight), 9, 4) == 4
 
 
 def test_quantization_is_q4_0_like_and_close(ext):
@@ -72,6 +86,19 @@ def test_quantization_is_q4_0_like_and_close(ext):
     assert err < 0.15  # int4 weights and int8 activations: about 8% on Gaussian weights
 
 
+def test_int8_weights_are_q8_0_like_and_close(ext):
+    weight, x = _case(64, 256, seed=2)
+    packed, scale = w4a8.quantize_weight8(weight)
+    assert packed.dtype == torch.int8 and packed.shape == (64, 256) and int(packed.abs().max()) == 127
+    deq = w4a8.dequantize(packed, scale, 256)
+    step = scale.repeat_interleave(32, dim=1)[:, :256]
+    assert ((deq - weight).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(w4a8.unpack(packed)[:, :256].float() * step, deq)  # the register order undone
+    exact = x @ weight.T
+    err = (ext.w8a8_mm(x, packed, scale) - exact).norm() / exact.norm()
+    assert err < 0.02  # int8 weights and int8 activations: about 1% on Gaussian weights
+
+
 # every instruction-set path this CPU can run, each against the same reference
 ISA_PATHS = [((), None), (("-mno-avx512f",), "avx2"), (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "scalar")]
 
@@ -88,20 +115,23 @@ def test_every_isa_path_equals_the_reference(flags, path):
         assert variant.simd_path() == path
     for N, K in SHAPES[1:4]:
         weight, x = _case(N, K, seed=4)
-        packed, scale = w4a8.quantize_weight(weight)
-        for k in (1, 2, 7, 8, 9, 16):
-            assert torch.equal(variant.w4a8_mm(x[:k], packed, scale), w4a8.reference_mm(x[:k], packed, scale)), (N, K, k)
+        for bits, pack in PACKERS.items():
+            packed, scale = pack(weight)
+            for k in (1, 2, 7, 8, 9, 16):
+                got = mm(variant, x[:k], packed, scale)
+                assert torch.equal(got, reference(variant, x[:k], packed, scale)), (bits, N, K, k)
 
 
-def test_nan_inf_and_tiny_activations_behave_as_the_reference(ext):
+@pytest.mark.parametrize("bits", PACKERS)
+def test_nan_inf_and_tiny_activations_behave_as_the_reference(ext, bits):
     weight, x = _case(24, 200, seed=5)
     x = x[:6].clone()
     x[0, 3] = float("nan")  # its block's scale is NaN: that token's outputs are NaN
     x[1, 40] = float("inf")
     x[2, :64] = 1e-39  # denormal: the scale underflows, q must still be clamped to +-127
     x[2, 70] = -3e-39
-    packed, scale = w4a8.quantize_weight(weight)
-    got, want = ext.w4a8_mm(x, packed, scale), w4a8.reference_mm(x, packed, scale)
+    packed, scale = PACKERS[bits](weight)
+    got, want = mm(ext, x, packed, scale), reference(ext, x, packed, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert got[0].isnan().all() and got[3:].isfinite().all()
     q, _ = ext.quantize_activations(x, w4a8.padded_width(200))
@@ -118,6 +148,8 @@ def test_bad_shapes_give_clear_errors(ext):
         ext.w4a8_mm(torch.randn(2, 64), packed, scale.flatten())
     with pytest.raises(ValueError, match="do not fit"):  # the fallback refuses what the kernel refuses
         w4a8.reference_mm(torch.randn(2, 200), packed, scale)
+    with pytest.raises(RuntimeError, match="int8"):  # int4-packed weights in the int8 kernel
+        ext.w8a8_mm(torch.randn(2, 64), packed, scale)
 
 
 def test_the_layer_casts_and_adds_its_bias(ext):

@@ -45,7 +45,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the target's linears: none (default), int8 (per output channel), "
                         "int4 (groups of 32; int4-g64 / int4-g128; torch's kernel), int4-amx (the same numbers in our AMX "
                         "kernel: k <= 16 rows cost about one; AMX CPUs only; the lm_head then int8-amx), int8-amx "
-                        "(per-channel int8 on the same tiles), w4a8 (our C++ int4 x int8 kernel), or auto (the "
+                        "(per-channel int8 on the same tiles), w4a8 (our C++ int4 x int8 kernel, row-invariant on AVX2 and "
+                        "AVX-512; the lm_head then w8a8), w8a8 (int8 x int8, same kernel), or auto (the "
                         "fastest kernel on this CPU). "
                         "Quantizing the target changes its outputs")
     p.add_argument("--draft-quant", default="auto", metavar="Q",
@@ -229,7 +230,7 @@ def _doctor(args: argparse.Namespace) -> int:
                  else "no (bit-exact mode pads to 9 rows)"))
     print("\ndecode ops (RMSNorm, rope + attention, SiLU * up): " + (
         "C++, row-invariant: targets with by-construction linears run unpadded" if report["decode_ops"]
-        else "PyTorch (no AVX-512 or no compiler): bit-exact mode pads every decode step"))
+        else "PyTorch (no AVX-512 or AVX2 + FMA, or no compiler): bit-exact mode pads every decode step"))
     for name, floors in report["floor_ms_per_token"].items():
         print(f"\nfloor for {name} (weights / bandwidth), ms per token: "
               + ", ".join(f"{c} {v}" for c, v in floors.items()))
@@ -366,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     rb.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
     rb.add_argument("--quants", nargs="+", default=["none"], metavar="QUANT",
-                    help="our engine with each weight quantization: none int8 int4 int4-g64 int4-g128 int4-amx w4a8")
+                    help="our engine with each weight quantization: none int8 int4 int4-g64 int4-g128 int4-amx w4a8 w8a8")
     rb.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF (llama-cpp-python)")
     rb.set_defaults(func=_runtime_bench)
     return parser

@@ -9,12 +9,18 @@
 // clamped to +-127 (0 where x / scale is NaN; a NaN input makes its block's scale, and so the output, NaN),
 // laid out per pair and token in the same register order (PairRecord).
 //
-// Arithmetic, the same on every ISA path and in the pure-torch reference (kernels/w4a8.py):
-//   lane[l] = sum of its 4 products u * q - 8 * sum of its 4 q                       (exact int32)
+// Arithmetic, per pair of blocks, in L lanes (the pure-torch reference in kernels/w4a8.py does the same):
+//   lane[l] = sum of its products u * q - 8 * sum of its q                             (exact int32)
 //   acc[l] += float(lane[l]) * (w_scale * a_scale) of block l % 2, pair after pair    (mul, then add)
-//   out = acc[0] + acc[1] + ... + acc[15], left to right.
-// Each output is the same sequence of float operations whatever k is, so the kernel is bit-exact across k
-// by construction. Built with -ffp-contract=off: a fused multiply-add would round differently.
+//   out = acc[0] + acc[1] + ... + acc[L - 1], left to right.
+// L = 16 on the AVX512-VNNI path (lane l: register positions 4l..4l+3, one vpdpbusd lane); L = 8 on the AVX2
+// and scalar paths (lane l: positions 4l..4l+3 and 32+4l..32+4l+3, both of block l % 2), which halves the float
+// work per token there. Each output is the same sequence of float operations whatever k is, so the kernel is
+// bit-exact across k by construction. Built with -ffp-contract=off: a fused multiply-add would round differently.
+//
+// W8A8 (w8a8_mm, a w4a8 target's lm_head): the same blocks, scales, pairs, register order and float steps, with
+// one signed byte per weight (q in -127..127, 64 bytes per pair), so lane[l] = the sum of its products q_w * q;
+// 8 lanes on every path.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,16 +33,29 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kPair = 64;
-constexpr int kMaxChunk = 8;
-constexpr int kPrefetch = 2048;  // bytes ahead in a row's weights  // tokens per pass over a weight row: accumulators must stay in registers
+constexpr int kMaxChunk = 8;  // tokens per pass over a weight row: accumulators must stay in registers
+constexpr int kPrefetch = 2048;  // bytes ahead in a row's weights
 
-// What the kernel reads for one pair of blocks and one token, in one 192-byte record so one pointer walks it:
-// the 64 int8 activations, -8 * the sum of each 4 of them (int32 x 16), the activation scale per lane (float x 16)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECDECODE_VNNI 1
+#endif
+
+// What the kernel reads for one pair of blocks and one token, in one record so one pointer walks it: the 64 int8
+// activations in register order and their two block scales (scale[0], scale[1]). The AVX512-VNNI path also
+// reads -8 * the sum of each lane's 4 activations and the scale of each of its 16 lanes; elsewhere records stay
+// small (72 bytes), so that 8 tokens' records for a 1536-wide row stay in the L1 cache.
+#ifdef SPECDECODE_VNNI
 struct alignas(64) PairRecord {
   int8_t q[64];
   int32_t neg8[16];
-  float scale[16];
+  float scale[16];  // [a0, a1, a0, a1, ...]
 };
+#else
+struct PairRecord {
+  int8_t q[64];
+  float scale[2];
+};
+#endif
 
 // the element of its pair (0..63) that register position j holds
 constexpr int element_of(int j) { return (j / 4 % 2) * kBlock + (j / 8) * 4 + j % 4; }
@@ -64,22 +83,29 @@ void quantize_rows(const float* x, int64_t k, int64_t K, int64_t Kp, int8_t* q, 
     for (int64_t p = 0; p < Kp / kPair; ++p) {
       PairRecord& r = records[p * k + t];
       for (int j = 0; j < kPair; ++j) r.q[j] = q[t * Kp + p * kPair + element_of(j)];
+#ifdef SPECDECODE_VNNI
       for (int l = 0; l < 16; ++l) {
         r.neg8[l] = -8 * (r.q[4 * l] + r.q[4 * l + 1] + r.q[4 * l + 2] + r.q[4 * l + 3]);
         r.scale[l] = scale[t * nb + 2 * p + l % 2];
       }
+#else
+      r.scale[0] = scale[t * nb + 2 * p];
+      r.scale[1] = scale[t * nb + 2 * p + 1];
+#endif
     }
   }
 }
 
-inline float sum16(const float* lanes) {
+template <int L>
+inline float sum_lanes(const float* lanes) {
   float s = lanes[0];
-  for (int l = 1; l < 16; ++l) s = s + lanes[l];
+  for (int l = 1; l < L; ++l) s = s + lanes[l];
   return s;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef SPECDECODE_VNNI
 const char* kPath = "avx512-vnni";
+constexpr int kLanes4 = 16;
 
 template <int T>
 void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
@@ -106,81 +132,137 @@ void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairReco
   alignas(64) float lanes[16];
   for (int t = 0; t < T; ++t) {
     _mm512_store_ps(lanes, acc[t]);
-    out[t * ostride] = sum16(lanes);
+    out[t * ostride] = sum_lanes<16>(lanes);
   }
 }
 
 #elif defined(__AVX2__)
 const char* kPath = "avx2";
+constexpr int kLanes4 = 8;
+#endif
 
-// 32 register positions: 8 int32 lanes of 4 products each, as vpdpbusd would give them (256-bit vpdpbusd
-// was slower than this on our AVX-512 Xeon, so AVX-512 CPUs take the 512-bit path above)
-inline __m256i block_lanes(__m256i u, __m256i a, __m256i init) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, a);  // |15 * 127 * 2| fits int16: no saturation
-  return _mm256_add_epi32(init, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
+#if defined(__AVX2__)
+// The AVX2 code, for int4 weights on AVX2 CPUs and for int8 weights on every AVX2 or AVX-512 CPU: the weights as
+// signed bytes w (int4: u - 8), each product as |w| * (q * sign(w)) (vpmaddubsw takes unsigned x signed), as
+// llama.cpp's Q4_0 x Q8_0 does; exact in int16 (int4: |4 * 8 * 127|, int8: |2 * 127 * 127|) and int32.
+template <int Bits>
+struct SignedWeights {
+  __m256i w0, w1, abs0, abs1;  // positions 0..31 and 32..63
+  SignedWeights(const uint8_t* pair) {
+    if constexpr (Bits == 4) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      const __m256i mask = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+      w0 = _mm256_sub_epi8(_mm256_and_si256(packed, mask), eight);
+      w1 = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), eight);
+    } else {
+      w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
+    }
+    abs0 = _mm256_sign_epi8(w0, w0);
+    abs1 = _mm256_sign_epi8(w1, w1);
+  }
+  // lane l: the products at positions 4l..4l+3 and 32+4l..32+4l+3
+  __m256i lanes(const int8_t* q, __m256i ones) const {
+    const __m256i p0 = _mm256_maddubs_epi16(abs0, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), w0));
+    const __m256i p1 = _mm256_maddubs_epi16(abs1, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)), w1));
+    if constexpr (Bits == 4) return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+    return _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+  }
+};
 
-template <int T>
-void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
-               int64_t ostride) {
-  __m256 lo_acc[T], hi_acc[T];  // lanes 0-7 and 8-15
-  for (int t = 0; t < T; ++t) lo_acc[t] = hi_acc[t] = _mm256_setzero_ps();
-  const __m256i mask = _mm256_set1_epi8(0x0F);
+template <int Bits, int T>
+void row_chunk_avx2(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+                    int64_t ostride) {
+  constexpr int kPairBytes = 8 * Bits;
+  __m256 acc[T];  // 8 lanes per token
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t p = 0; p < npairs; ++p, rec += k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ws + 2 * p + kPrefetch / 16), _MM_HINT_T0);
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
-    const __m256i lo = _mm256_and_si256(packed, mask);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+    _mm_prefetch(reinterpret_cast<const char*>(w + p * kPairBytes + kPrefetch), _MM_HINT_T0);
+    const SignedWeights<Bits> wp(w + p * kPairBytes);
     double two_scales;
     std::memcpy(&two_scales, ws + 2 * p, sizeof two_scales);
     const __m256 wsv = _mm256_castpd_ps(_mm256_set1_pd(two_scales));  // [s0, s1, s0, s1, ...]
     for (int t = 0; t < T; ++t) {
       const PairRecord& r = rec[t];
-      const __m256i l0 = block_lanes(lo, _mm256_load_si256(reinterpret_cast<const __m256i*>(r.q)),
-                                     _mm256_load_si256(reinterpret_cast<const __m256i*>(r.neg8)));
-      const __m256i l1 = block_lanes(hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(r.q + 32)),
-                                     _mm256_load_si256(reinterpret_cast<const __m256i*>(r.neg8 + 8)));
-      lo_acc[t] = _mm256_add_ps(lo_acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(l0), _mm256_mul_ps(wsv, _mm256_load_ps(r.scale))));
-      hi_acc[t] = _mm256_add_ps(hi_acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(l1), _mm256_mul_ps(wsv, _mm256_load_ps(r.scale + 8))));
+      std::memcpy(&two_scales, r.scale, sizeof two_scales);
+      const __m256 d = _mm256_mul_ps(wsv, _mm256_castpd_ps(_mm256_set1_pd(two_scales)));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(wp.lanes(r.q, ones)), d));
     }
   }
-  alignas(32) float lanes[16];
+  alignas(32) float lanes[8];
   for (int t = 0; t < T; ++t) {
-    _mm256_store_ps(lanes, lo_acc[t]);
-    _mm256_store_ps(lanes + 8, hi_acc[t]);
-    out[t * ostride] = sum16(lanes);
+    _mm256_store_ps(lanes, acc[t]);
+    out[t * ostride] = sum_lanes<8>(lanes);
   }
 }
 
-#else
+#ifndef SPECDECODE_VNNI
+template <int T>
+void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+               int64_t ostride) {
+  row_chunk_avx2<4, T>(w, ws, npairs, rec, k, out, ostride);
+}
+#endif
+
+#else  // neither AVX2 nor AVX-512
 const char* kPath = "scalar";
+constexpr int kLanes4 = 8;
+
+// the register value at position j of a pair: int4 weights (u, two per byte) or int8 ones
+inline int32_t weight_at(const uint8_t* w, int j, int bits) {
+  if (bits == 8) return reinterpret_cast<const int8_t*>(w)[j];
+  return j < 32 ? (w[j] & 0x0F) : (w[j - 32] >> 4);
+}
+
+template <int Bits, int T>
+void row_chunk_scalar(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+                      int64_t ostride) {
+  for (int t = 0; t < T; ++t) {
+    float acc[8] = {0.f};
+    for (int64_t p = 0; p < npairs; ++p) {
+      const PairRecord& r = rec[p * k + t];
+      const uint8_t* wp = w + p * 8 * Bits;
+      for (int l = 0; l < 8; ++l) {
+        const int32_t offset = Bits == 4 ? 8 : 0;
+        int32_t lane = 0;
+        for (int j = 4 * l; j < 4 * l + 4; ++j)
+          lane += (weight_at(wp, j, Bits) - offset) * r.q[j] + (weight_at(wp, j + 32, Bits) - offset) * r.q[j + 32];
+        const float d = ws[2 * p + l % 2] * r.scale[l % 2];
+        acc[l] = acc[l] + static_cast<float>(lane) * d;
+      }
+    }
+    out[t * ostride] = sum_lanes<8>(acc);
+  }
+}
 
 template <int T>
 void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
                int64_t ostride) {
-  for (int t = 0; t < T; ++t) {
-    float acc[16] = {0.f};
-    for (int64_t p = 0; p < npairs; ++p) {
-      const PairRecord& r = rec[p * k + t];
-      for (int l = 0; l < 16; ++l) {
-        int32_t lane = r.neg8[l];
-        for (int j = 4 * l; j < 4 * l + 4; ++j) {
-          const uint8_t byte = w[p * 32 + j % 32];
-          lane += (j < 32 ? (byte & 0x0F) : (byte >> 4)) * r.q[j];
-        }
-        const float d = ws[2 * p + l % 2] * r.scale[l];
-        acc[l] = acc[l] + static_cast<float>(lane) * d;
-      }
-    }
-    out[t * ostride] = sum16(acc);
-  }
+  row_chunk_scalar<4, T>(w, ws, npairs, rec, k, out, ostride);
+}
+#endif
+
+// int8 weights: the AVX2 code on AVX2 and AVX-512 CPUs alike (a head's k is small: its weights' bytes bound it)
+#if defined(__AVX2__)
+template <int T>
+void row_chunk8(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+                int64_t ostride) {
+  row_chunk_avx2<8, T>(w, ws, npairs, rec, k, out, ostride);
+}
+#else
+template <int T>
+void row_chunk8(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+                int64_t ostride) {
+  row_chunk_scalar<8, T>(w, ws, npairs, rec, k, out, ostride);
 }
 #endif
 
 using RowFn = void (*)(const uint8_t*, const float*, int64_t, const PairRecord*, int64_t, float*, int64_t);
 const RowFn kChunks[kMaxChunk + 1] = {nullptr, row_chunk<1>, row_chunk<2>, row_chunk<3>, row_chunk<4>,
                                       row_chunk<5>, row_chunk<6>, row_chunk<7>, row_chunk<8>};
+const RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1>, row_chunk8<2>, row_chunk8<3>, row_chunk8<4>,
+                                       row_chunk8<5>, row_chunk8<6>, row_chunk8<7>, row_chunk8<8>};
 
 }  // namespace
 
@@ -193,7 +275,9 @@ Quantized quantize(const torch::Tensor& x, int64_t Kp) {
   Quantized r{torch::zeros({k, Kp}, torch::kInt8), torch::empty({k, Kp / kBlock}, torch::kFloat32),
               torch::empty({Kp / kPair, k, static_cast<int64_t>(sizeof(PairRecord))}, torch::kUInt8)};
   auto* records = reinterpret_cast<PairRecord*>(r.records.data_ptr<uint8_t>());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(records) % 64 == 0, "unaligned activation buffer");
+#ifdef SPECDECODE_VNNI
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(records) % 64 == 0, "unaligned activation buffer");  // aligned loads
+#endif
   quantize_rows(x.data_ptr<float>(), k, x.size(1), Kp, r.q.data_ptr<int8_t>(), r.scale.data_ptr<float>(), records);
   return r;
 }
@@ -206,14 +290,15 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp) {
   return {r.q, r.scale};
 }
 
-// x: [k, K] float32; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 -> [k, N] float32
-torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale) {
+// x: [k, K] float32; packed: [N, Kp * bits / 8] bytes; wscale: [N, Kp / 32] float32 -> [k, N] float32
+torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& wscale, int bits) {
+  const auto dtype = bits == 4 ? torch::kUInt8 : torch::kInt8;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [k, K] float32");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && wscale.device().is_cpu(),
               "the W4A8 kernel runs on the CPU");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
-              "packed must be contiguous [N, Kp / 2] uint8");
-  const int64_t k = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == dtype && packed.is_contiguous(),
+              "packed must be contiguous [N, Kp * ", bits, " / 8] ", bits == 4 ? "uint8" : "int8");
+  const int64_t k = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 8 / bits;
   TORCH_CHECK(Kp % kPair == 0 && Kp >= K && Kp - K < kPair, "packed width ", Kp, " does not fit inputs of ", K);
   TORCH_CHECK(wscale.dim() == 2 && wscale.scalar_type() == torch::kFloat32 && wscale.is_contiguous() &&
               wscale.size(0) == N &&
@@ -221,25 +306,39 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   const Quantized act = quantize(x.contiguous(), Kp);
   const auto* records = reinterpret_cast<const PairRecord*>(act.records.data_ptr<uint8_t>());
   auto out = torch::empty({k, N}, torch::kFloat32);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   const float* ws = wscale.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int64_t npairs = Kp / kPair;
+  const int64_t npairs = Kp / kPair, row_bytes = Kp * bits / 8;
+  const RowFn* chunks = bits == 4 ? kChunks : kChunks8;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t t0 = 0; t0 < k; t0 += kMaxChunk) {
         const int64_t T = std::min<int64_t>(kMaxChunk, k - t0);
-        kChunks[T](w + n * (Kp / 2), ws + n * (Kp / kBlock), npairs, records + t0, k, o + t0 * N + n, N);
+        chunks[T](w + n * row_bytes, ws + n * (Kp / kBlock), npairs, records + t0, k, o + t0 * N + n, N);
       }
     }
   });
   return out;
 }
 
+torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale) {
+  return matmul(x, packed, wscale, 4);
+}
+
+torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale) {
+  return matmul(x, packed, wscale, 8);
+}
+
 std::string simd_path() { return kPath; }
+
+// the lanes L of the arithmetic (see the top of this file) for 4- or 8-bit weights
+int64_t lanes(int64_t bits) { return bits == 4 ? kLanes4 : 8; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_mm", &w4a8_mm, "int4 weights x int8 activations, [k, K] x [N, K]^T -> [k, N]");
+  m.def("w8a8_mm", &w8a8_mm, "int8 weights x int8 activations, [k, K] x [N, K]^T -> [k, N]");
   m.def("quantize_activations", &quantize_activations, "int8 per token in blocks of 32");
   m.def("simd_path", &simd_path, "which instruction set the kernel was built for");
+  m.def("lanes", &lanes, "how many float lanes each output sums, for 4- or 8-bit weights");
 }

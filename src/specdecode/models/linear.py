@@ -12,9 +12,9 @@ from torch import nn
 from specdecode.errors import InvalidRequestError
 from specdecode.kernels import int4_amx, w4a8
 
-QUANTS = ("none", "int8", "int4", "int4-amx", "int8-amx", "w4a8")
+QUANTS = ("none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w8a8")
 GROUPED = ("int4", "int4-amx")  # the kinds that take a group size: "int4-g64"
-OUR_KERNELS = {"w4a8": w4a8, "int4-amx": int4_amx, "int8-amx": int4_amx}  # kinds whose kernel is our C++ build
+OUR_KERNELS = {"w4a8": w4a8, "w8a8": w4a8, "int4-amx": int4_amx, "int8-amx": int4_amx}  # kinds whose kernel is our C++ build
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
 
@@ -48,15 +48,21 @@ class DenseLinear(Linear):
     """
 
     quant = "none"
+    COLUMN_BLOCK = 8  # float32 GEMMs compute a last, partial block of columns (rows of x) by other code
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[0], weight.shape[1], bias, weight.dtype)
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.shape[0] == 1:  # draft steps; never in bit-exact mode, which pads
+        n = rows.shape[0]
+        if n == 1:  # draft steps; never in bit-exact mode, which pads
             return torch.mv(self.weight, rows[0]).unsqueeze(0)
-        return (self.weight @ rows.T).T
+        if self.weight.dtype == torch.float32 and n > self.COLUMN_BLOCK and n % self.COLUMN_BLOCK:
+            # on AVX2 (Zen 3, torch 2.13) row 8 of a 9-row float32 matmul differs from the same row at position 0:
+            # whole blocks keep a bit-exact step's rows independent of their position
+            rows = torch.cat([rows, rows.new_zeros(self.COLUMN_BLOCK - n % self.COLUMN_BLOCK, rows.shape[1])])
+        return (self.weight @ rows.T).T[:n]
 
 
 class Int8Linear(Linear):
@@ -221,6 +227,7 @@ class W4A8Linear(Linear):
     in our C++ kernel (kernels/w4a8.py), so that a verify step of k <= 8 rows costs about what one row does."""
 
     quant = "w4a8"
+    pack = staticmethod(w4a8.quantize_weight)
 
     @property
     def row_invariant(self) -> bool:  # the C++ kernel is; its pure-torch stand-in is not promised to be
@@ -229,13 +236,13 @@ class W4A8Linear(Linear):
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, in_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__(packed.shape[0], in_features, bias, dtype)
-        self.register_buffer("packed", packed)  # [out, in padded to 64 / 2] uint8, two weights per byte
+        self.register_buffer("packed", packed)  # [out, in padded to 64 / 2] uint8 (int4) or [out, in padded] int8
         self.register_buffer("scale", scale)  # [out, in padded / 32] float32
         self.register_buffer("width", torch.tensor(in_features))  # the padding hides it: kept to rebuild the layer
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "W4A8Linear":
-        return cls(*w4a8.quantize_weight(weight), weight.shape[1], bias, weight.dtype)
+        return cls(*cls.pack(weight), weight.shape[1], bias, weight.dtype)
 
     def dequantized(self) -> torch.Tensor:
         return w4a8.dequantize(self.packed, self.scale, self.in_features)
@@ -244,12 +251,20 @@ class W4A8Linear(Linear):
         return w4a8.w4a8_mm(rows, self.packed, self.scale).to(rows.dtype)
 
 
+class W8A8Linear(W4A8Linear):
+    """int8 weights (symmetric, blocks of 32, as llama.cpp's Q8_0) x int8 activations in the same kernel: a w4a8
+    target's lm_head, wider than its blocks and row-invariant like them."""
+
+    quant = "w8a8"
+    pack = staticmethod(w4a8.quantize_weight8)
+
+
 def parse_quant(quant: str) -> tuple[str, int]:
-    """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'int8-amx' | 'w4a8' -> (kind, int4 group size)."""
+    """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'int8-amx' | 'w4a8' | 'w8a8' -> (kind, group)."""
     kind, sep, group = quant.partition("-g")
     if kind not in QUANTS or (sep and (kind not in GROUPED or not group.isdigit())):
         raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128, "
-                                  "int4-amx (same, with -gG), int8-amx, w4a8 or auto")
+                                  "int4-amx (same, with -gG), int8-amx, w4a8, w8a8 or auto")
     if sep and int(group) not in INT4_GROUP_SIZES:
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     return kind, int(group) if sep else DEFAULT_INT4_GROUP
@@ -274,6 +289,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: s
         return Int8AmxLinear.quantize(weight, bias)
     if kind == "w4a8":
         return W4A8Linear.quantize(weight, bias)
+    if kind == "w8a8":
+        return W8A8Linear.quantize(weight, bias)
     return DenseLinear(weight, bias)
 
 
@@ -291,8 +308,9 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
     if kind == "int8-amx":
         _require_amx(kind)
         return Int8AmxLinear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
-    if kind == "w4a8":
-        return W4A8Linear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
+    if kind in ("w4a8", "w8a8"):
+        cls = W4A8Linear if kind == "w4a8" else W8A8Linear
+        return cls(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
     return DenseLinear(tensors["weight"], bias)
 
 
