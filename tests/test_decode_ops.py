@@ -14,7 +14,7 @@ from specdecode.models.loading import load_model
 from tests.test_int4_amx import needs_amx
 from tests.test_lossless import random_prompts
 
-needs_ops = pytest.mark.skipif(decode_ops.extension() is None, reason="needs a CPU with AVX-512 and g++")
+needs_ops = pytest.mark.skipif(decode_ops.extension() is None, reason="needs a CPU with AVX-512 or AVX2 + FMA, and g++")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -209,15 +209,16 @@ def test_the_invariance_check_catches_a_linear_that_wrongly_claims_row_invarianc
 
 
 @needs_ops
-@needs_amx
-def test_an_int4_amx_target_runs_unpadded(tiny_pair):
-    target = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant="int4-amx").model
+@pytest.mark.parametrize("quant,head", [pytest.param("int4-amx", "int8-amx", marks=needs_amx), ("w4a8", "w8a8")])
+def test_targets_of_our_int4_kernels_run_unpadded(tiny_pair, quant, head):
+    target = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant=quant).model
     assert target.fused_ops and target.rows_independent and target.decode_width == 9
+    assert target.lm_head.quant == head and target.lm_head.row_invariant
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_greedy_speculative_equals_plain_with_pytorch_ops(tiny_pair, drafter):
-    """The PyTorch path (CPUs without AVX-512, GPUs, long prefills) stays lossless where the ops exist too."""
+    """The PyTorch path (CPUs without AVX2 + FMA, GPUs, long prefills) stays lossless where the ops exist too."""
     target = load_model(tiny_pair[0].source, decode_width=9)
     draft = load_model(tiny_pair[1].source)
     target.model.fused_ops = draft.model.fused_ops = False

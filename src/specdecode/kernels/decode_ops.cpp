@@ -9,11 +9,13 @@
 // construction, and a forward needs no padding where its linears are row-invariant too.
 //
 // Arithmetic (float32 throughout; bf16 inputs are widened exactly, bf16 outputs rounded to nearest even):
-//   rms_norm:  ss = sum of x^2 in 16 interleaved partial sums (fused multiply-add), added 0..15 in order;
+// W = 16 floats per vector on AVX-512 CPUs, 8 on AVX2 + FMA ones (two sections below, the same steps).
+//   rms_norm:  ss = sum of x^2 in W interleaved partial sums (fused multiply-add), added 0..W-1 in order;
 //              y = dtype(x * (1 / sqrt(ss / D + eps))); out = dtype(w * y)  (transformers' RMSNorm, up to rounding)
 //   silu_mul:  out = dtype(dtype(g / (1 + exp(-g))) * u)
 //   attention: rope on q and k in float32 (k rounded to the cache's dtype as it is written); for each query row,
-//              s_j = (q . k_j) / sqrt(hd) over the keys it sees (products summed in order of the head dimension),
+//              s_j = q . k_j over the keys it sees, q pre-scaled by 1 / sqrt(hd) (products in W lanes by head
+//              dimension, the first a product then fused multiply-adds; the W lanes summed by one fixed tree),
 //              m = max s_j; p_j = exp(s_j - m); out = (sum_j p_j v_j) / (sum_j p_j), sums in cache order.
 //   exp:       a Cephes-style polynomial with the same operations for every element (no libm).
 // Built with -ffp-contract=off: the only fused multiply-adds are the explicit std::fma ones.
@@ -24,20 +26,26 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPECDECODE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPECDECODE_AVX2 1
+#endif
+#if defined(SPECDECODE_AVX512) || defined(SPECDECODE_AVX2)
+#define SPECDECODE_OPS 1
 #endif
 
 namespace {
 
 bool available() {
-#ifdef SPECDECODE_AVX512
+#ifdef SPECDECODE_OPS
   return true;
 #else
-  return false;  // the decoder keeps PyTorch's ops (and pads bit-exact forwards) on CPUs without AVX-512
+  return false;  // the decoder keeps PyTorch's ops (and pads bit-exact forwards) on CPUs without AVX2 + FMA
 #endif
 }
 
@@ -279,7 +287,256 @@ void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, c
 }
 #endif  // SPECDECODE_AVX512
 
-#ifdef SPECDECODE_AVX512
+#ifdef SPECDECODE_AVX2
+// The same ops in 8-float vectors. AVX2 has no mask registers: a tail of n < 8 elements is read and written
+// through a lane mask (floats) or a zero-padded copy (bf16).
+using BF16 = at::BFloat16;
+constexpr int kW = 8;
+const float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline __m256i lanes_below(int64_t n) {  // all ones in lanes < n
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, kW))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256 load8(const float* p, int64_t n = kW) {
+  return n >= kW ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below(n));
+}
+inline __m256 load8(const BF16* p, int64_t n = kW) {
+  __m128i h;
+  if (n >= kW) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t buf[kW] = {0};
+    std::memcpy(buf, p, n * sizeof(BF16));
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// float32 -> bf16 bits in int32 lanes, rounded to nearest even (NaN -> 0x7fc0), as torch's .to(torch.bfloat16)
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+inline void store8(float* p, __m256 v, int64_t n = kW) {
+  if (n >= kW) _mm256_storeu_ps(p, v);
+  else _mm256_maskstore_ps(p, lanes_below(n), v);
+}
+inline void store8(BF16* p, __m256 v, int64_t n = kW) {
+  const __m256i b = bf16_bits(v);  // values <= 0xffff: the unsigned saturating pack keeps them
+  const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
+  if (n >= kW) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  } else {
+    alignas(16) uint16_t buf[kW];
+    _mm_store_si128(reinterpret_cast<__m128i*>(buf), h);
+    std::memcpy(p, buf, n * sizeof(BF16));
+  }
+}
+inline __m256 round_to(float*, __m256 v) { return v; }
+inline __m256 round_to(BF16*, __m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+
+// exp(x) as exp16 of the AVX-512 section
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.7f);
+  const __m256 xc = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  // a NaN x passes through
+  const __m256 n = _mm256_round_ps(
+      _mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  const __m256 low = _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(low, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+}
+
+// lane l of the result: the sum of v[l]'s 8 lanes, by one fixed tree of additions
+inline __m256 lane_sums(const __m256* v) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+    b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  // b[0]: [v0, v1, v2, v3 | v0, v1, v2, v3] (halves of each v's sum), b[1] the same for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+// which of n <= 8 keys a query sees: all ones in those lanes
+inline __m256 visible8(const bool* vis, int64_t n) {
+  alignas(8) uint8_t buf[kW] = {0};
+  std::memcpy(buf, vis, std::min<int64_t>(n, kW));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(buf)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, _mm256_setzero_si256()));
+}
+
+inline float reduce_max8(__m256 v) {
+  alignas(32) float l[kW];
+  _mm256_store_ps(l, v);
+  float m = l[0];
+  for (int i = 1; i < kW; ++i) m = std::max(m, l[i]);
+  return m;
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * D;
+      __m256 part = _mm256_setzero_ps();  // 8 interleaved partial sums of squares
+      for (int64_t j = 0; j < D; j += kW) {
+        const __m256 v = load8(xr + j, D - j);
+        part = _mm256_fmadd_ps(v, v, part);
+      }
+      alignas(32) float lanes[kW];
+      _mm256_store_ps(lanes, part);
+      float ss = 0.0f;
+      for (const float l : lanes) ss += l;
+      const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(D) + eps));
+      T* o = out + r * D;
+      for (int64_t j = 0; j < D; j += kW) {
+        const __m256 y = round_to(o, _mm256_mul_ps(load8(xr + j, D - j), inv));
+        store8(o + j, _mm256_mul_ps(load8(w + j, D - j), y), D - j);
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
+  constexpr int64_t kSeg = 512;  // elements per task; a row's element i always takes the same path
+  const int64_t segs = (I + kSeg - 1) / kSeg;
+  at::parallel_for(0, rows * segs, 1, [&](int64_t begin, int64_t end) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / segs, i0 = (task % segs) * kSeg, i1 = std::min(I, i0 + kSeg);
+      const T* g = gate_up + r * 2 * I;
+      for (int64_t i = i0; i < i1; i += kW) {
+        const __m256 gi = load8(g + i, i1 - i);
+        const __m256 s = round_to(out, _mm256_div_ps(gi, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi)))));
+        store8(out + r * I + i, _mm256_mul_ps(s, load8(g + I + i, i1 - i)), i1 - i);
+      }
+    }
+  });
+}
+
+template <typename T>
+inline void rope(const T* x, const float* cos, const float* sin, float* out, int64_t hd, float scale) {
+  const int64_t half = hd / 2;
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t d = 0; d < half; d += kW) {
+    const int64_t n = half - d;
+    const __m256 lo = load8(x + d, n), hi = load8(x + half + d, n);
+    const __m256 a = _mm256_sub_ps(_mm256_mul_ps(lo, load8(cos + d, n)), _mm256_mul_ps(hi, load8(sin + d, n)));
+    const __m256 b = _mm256_add_ps(_mm256_mul_ps(hi, load8(cos + half + d, n)), _mm256_mul_ps(lo, load8(sin + half + d, n)));
+    store8(out + d, _mm256_mul_ps(a, sc), n);
+    store8(out + half + d, _mm256_mul_ps(b, sc), n);
+  }
+}
+
+// C = head_dim / 8 vectors per head vector; the steps of the AVX-512 attention, 8 keys at a time
+template <typename T, int C>
+void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, const int64_t* rows,
+               const int64_t* slots, const bool* mask, T* out, int64_t B, int64_t Tn, int64_t H, int64_t KVH,
+               int64_t cap, int64_t K) {
+  constexpr int64_t hd = C * kW;
+  const int64_t width = (H + 2 * KVH) * hd, G = H / KVH, R = G * Tn;
+  at::parallel_for(0, B * Tn * KVH, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float kf[hd];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (Tn * KVH), t = (i / KVH) % Tn, h = i % KVH, bt = b * Tn + t;
+      const T* src = qkv + bt * width + (H + h) * hd;
+      const int64_t dst = ((rows[b] * KVH + h) * cap + slots[bt]) * hd;
+      rope(src, cos + bt * hd, sin + bt * hd, kf, hd, 1.0f);
+      for (int c = 0; c < C; ++c) {
+        store8(kc + dst + c * kW, _mm256_load_ps(kf + c * kW));
+        store8(vc + dst + c * kW, load8(src + KVH * hd + c * kW));
+      }
+    }
+  });
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> q, s, kf, vf, m;  // as in the AVX-512 section: grown, never cleared
+    thread_local std::vector<char> any;
+    q.resize(R * hd); s.resize(R * K); kf.resize((K + kW) * hd); vf.resize(K * hd); m.resize(R); any.resize(K);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, kvh = task % KVH;
+      const T* keys = kc + (rows[b] * KVH + kvh) * cap * hd;
+      const T* vals = vc + (rows[b] * KVH + kvh) * cap * hd;
+      const bool* vis = mask + b * Tn * K;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = r / Tn, t = r % Tn, bt = b * Tn + t;
+        rope(qkv + bt * width + (kvh * G + g) * hd, cos + bt * hd, sin + bt * hd, q.data() + r * hd, hd, scale);
+        m[r] = kNegInf;
+      }
+      for (int64_t j = 0; j < K; ++j) {
+        bool seen = false;
+        for (int64_t t = 0; t < Tn; ++t) seen |= vis[t * K + j];
+        any[j] = seen;
+        if (!seen) continue;
+        for (int c = 0; c < C; ++c) {
+          _mm256_storeu_ps(kf.data() + j * hd + c * kW, load8(keys + j * hd + c * kW));
+          _mm256_storeu_ps(vf.data() + j * hd + c * kW, load8(vals + j * hd + c * kW));
+        }
+      }
+      for (int64_t j0 = 0; j0 < K; j0 += kW) {
+        const int64_t n = std::min<int64_t>(kW, K - j0);
+        bool some = false;
+        for (int64_t l = 0; l < n; ++l) some |= any[j0 + l];
+        if (!some) {
+          for (int64_t r = 0; r < R; ++r) std::fill_n(s.data() + r * K + j0, n, kNegInf);
+          continue;
+        }
+        const float* kb = kf.data() + j0 * hd;
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = q.data() + r * hd;
+          __m256 dots[kW];
+          for (int l = 0; l < kW; ++l) {  // q from L1 in the loop: C may exceed the 16 registers
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kb + l * hd));
+            for (int c = 1; c < C; ++c)
+              acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c * kW), _mm256_loadu_ps(kb + l * hd + c * kW), acc);
+            dots[l] = acc;
+          }
+          const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), lane_sums(dots),
+                                            visible8(vis + (r % Tn) * K + j0, n));
+          store8(s.data() + r * K + j0, v, n);
+          m[r] = std::max(m[r], reduce_max8(v));  // lanes beyond n hold -inf
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = s.data() + r * K;
+        const bool* vr = vis + (r % Tn) * K;
+        const __m256 mr = _mm256_set1_ps(m[r]);
+        for (int64_t j = 0; j < K; j += kW) store8(sr + j, exp8(_mm256_sub_ps(load8(sr + j, K - j), mr)), K - j);
+        __m256 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+        float denom = 0.0f;
+        for (int64_t j = 0; j < K; ++j) {
+          if (!vr[j]) continue;
+          denom += sr[j];
+          const __m256 p = _mm256_set1_ps(sr[j]);
+          for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vf.data() + j * hd + c * kW), acc[c]);
+        }
+        const __m256 dn = _mm256_set1_ps(denom);
+        const int64_t g = r / Tn, t = r % Tn;
+        T* o = out + (b * Tn + t) * H * hd + (kvh * G + g) * hd;
+        for (int c = 0; c < C; ++c) store8(o + c * kW, _mm256_div_ps(acc[c], dn));
+      }
+    }
+  });
+}
+#endif  // SPECDECODE_AVX2
+
+#ifdef SPECDECODE_OPS
 template <typename F>
 void dispatch(at::ScalarType t, F&& f) {  // float32 or bfloat16
   if (t == at::kFloat) f(static_cast<float*>(nullptr));
@@ -288,7 +545,7 @@ void dispatch(at::ScalarType t, F&& f) {  // float32 or bfloat16
 #endif
 
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(available(), "the decode ops need a CPU with AVX-512 (BW, VL)");
+  TORCH_CHECK(available(), "the decode ops need a CPU with AVX-512 (BW, VL) or AVX2 + FMA");
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16, not ", t.scalar_type());
@@ -299,7 +556,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == x.size(-1),
               "the norm's weight must be contiguous, of x's dtype and width");
   auto out = torch::empty_like(x);
-#ifdef SPECDECODE_AVX512
+#ifdef SPECDECODE_OPS
   const int64_t D = x.size(-1), rows = x.numel() / D;
   dispatch(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -317,7 +574,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, gate_up.options());
-#ifdef SPECDECODE_AVX512
+#ifdef SPECDECODE_OPS
   dispatch(gate_up.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_mul_rows(static_cast<const T*>(gate_up.data_ptr()), static_cast<T*>(out.data_ptr()),
@@ -354,7 +611,7 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
     for (int64_t t = 0; t < Tn; ++t) TORCH_CHECK(sl[b * Tn + t] >= 0 && sl[b * Tn + t] < cap, "slot out of range");
   }
   auto out = torch::empty({B, Tn, H * hd}, qkv.options());
-#ifdef SPECDECODE_AVX512
+#ifdef SPECDECODE_OPS
   dispatch(qkv.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto run = [&](auto c) {
@@ -363,7 +620,7 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
                                        static_cast<T*>(v_cache.data_ptr()), r, sl, mask.data_ptr<bool>(),
                                        static_cast<T*>(out.data_ptr()), B, Tn, H, KVH, cap, K);
     };
-    switch (hd / 16) {
+    switch (hd / kW) {  // head_dim 16, 32, 48, 64, 80, 96, 128 or 256
       case 1: run(std::integral_constant<int, 1>{}); break;
       case 2: run(std::integral_constant<int, 2>{}); break;
       case 3: run(std::integral_constant<int, 3>{}); break;
@@ -371,7 +628,10 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
       case 5: run(std::integral_constant<int, 5>{}); break;
       case 6: run(std::integral_constant<int, 6>{}); break;
       case 8: run(std::integral_constant<int, 8>{}); break;
-      default: run(std::integral_constant<int, 16>{});
+      case 10: run(std::integral_constant<int, 10>{}); break;
+      case 12: run(std::integral_constant<int, 12>{}); break;
+      case 16: run(std::integral_constant<int, 16>{}); break;
+      default: run(std::integral_constant<int, 256 / kW>{});
     }
   });
 #endif
@@ -381,7 +641,7 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build can run the ops (AVX-512)");
+  m.def("available", &available, "whether this build can run the ops (AVX-512 or AVX2 + FMA)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, row-invariant");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of each row of [.., 2I], row-invariant");
   m.def("rope_attention", &rope_attention, "rotary embedding, KV-cache write and attention, row-invariant");

@@ -3,7 +3,7 @@
 For decode and verify steps: one call per op instead of ~40 small PyTorch ops per layer, and every output row
 computed by the same fixed sequence of operations whatever the number of rows, so these ops are bit-exact across
 k by construction (PyTorch's attention matmuls are not: their reduction order depends on the row count).
-CPUs with AVX-512 run it; elsewhere, or where the build fails, the decoder keeps its PyTorch ops.
+CPUs with AVX-512 or AVX2 + FMA run it; elsewhere, or where the build fails, the decoder keeps its PyTorch ops.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ SOURCE = Path(__file__).with_name("decode_ops.cpp")
 
 @cache
 def extension() -> ModuleType | None:
-    """The compiled ops where this CPU runs them (AVX-512), else None: then the decoder uses PyTorch's ops."""
-    return build_for_cpu(SOURCE, {"avx512f", "avx512bw", "avx512vl"})
+    """The compiled ops where this CPU runs them (AVX-512, or AVX2 + FMA), else None: then the decoder uses PyTorch's
+    ops."""
+    return build_for_cpu(SOURCE, {"avx2", "fma"})
 
 
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # what rope_attention takes
