@@ -151,7 +151,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.report:
         summary = report(args.out)
     else:
-        summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype,
+        summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype, quant=args.quant,
                             gamma=args.gamma, questions_path=args.questions, categories=args.categories,
                             per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, repeats=args.repeats, out=args.out,
@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"any of {', '.join(OURS + PEERS)}, optionally :float32 / :bfloat16 and a target "
                         "quantization :int8 / :int4 / :w4a8 ...")
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    b.add_argument("--quant", default="none", metavar="Q",
+                   help="the target quantization of our methods that name none (the reference `plain` included), e.g. "
+                        "w4a8 where the unquantized plain reference would take hours (AVX2 CPUs)")
     b.add_argument("--gamma", type=int, default=None,
                    help=f"draft length, 1..8 (default {DEFAULT_GAMMA} for the draft model, 8 for ngram lookups)")
     b.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")

@@ -52,11 +52,11 @@ class MethodSpec:
     quant: str = "none"
 
     @classmethod
-    def parse(cls, text: str, default_dtype: str) -> MethodSpec:
+    def parse(cls, text: str, default_dtype: str, default_quant: str = "none") -> MethodSpec:
         kind, *options = text.split(":")
         if kind not in OURS + PEERS:
             raise InvalidRequestError(f"unknown method {kind!r}; choose from {', '.join(OURS + PEERS)}")
-        dtype, quant = default_dtype, "none"
+        dtype, quant = default_dtype, default_quant if kind in OURS else "none"
         for option in options:
             if option in DTYPES:
                 dtype = option
@@ -71,8 +71,9 @@ class MethodSpec:
             raise InvalidRequestError(f"{text!r}: peers run their own weights; quantization applies to our methods")
         return cls(kind, dtype, quant)
 
-    def name(self, default_dtype: str) -> str:
-        return ":".join([self.kind] + [self.dtype] * (self.dtype != default_dtype) + [self.quant] * (self.quant != "none"))
+    def name(self, default_dtype: str, default_quant: str = "none") -> str:
+        quant = self.quant != (default_quant if self.kind in OURS else "none")
+        return ":".join([self.kind] + [self.dtype] * (self.dtype != default_dtype) + [self.quant] * quant)
 
 
 @dataclass
@@ -93,23 +94,23 @@ class EngineMethod:
                          s.accepted_by_position, s.draft_seconds)
 
 
-def parse_methods(names: list[str], default_dtype: str) -> list[MethodSpec]:
-    """`plain` (our plain decoding in the default dtype) first: the reference; then the other plain methods (each
+def parse_methods(names: list[str], default_dtype: str, default_quant: str = "none") -> list[MethodSpec]:
+    """`plain` (our plain decoding in the default dtype and quant) first: the reference; then the other plain methods (each
     method's output is checked against its own plain one, which must have run, and is added if missing), then
     the rest as given."""
-    specs = [MethodSpec.parse(n, default_dtype) for n in names]
+    specs = [MethodSpec.parse(n, default_dtype, default_quant) for n in names]
     for s in list(specs):  # every method of ours is checked against our plain decoding of the same weights
         baseline = MethodSpec("plain", s.dtype, s.quant)
         if s.kind in OURS and baseline not in specs:
             specs.append(baseline)
-    reference = MethodSpec("plain", default_dtype)
+    reference = MethodSpec("plain", default_dtype, default_quant)
     specs = [reference] + sorted((s for s in specs if s != reference), key=lambda s: s.kind not in PLAIN_KINDS)
     if len(set(specs)) != len(specs):
         raise InvalidRequestError("a method is listed twice")
     return specs
 
 
-def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtype: str, *,
+def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtype: str, default_quant: str = "none", *,
                   gamma: int | None, bit_exact: bool = True, coupling: str = "rejection",
                   log=print) -> list[Method]:
     """Load each (model, dtype) once; peers whose package is missing are skipped with a message."""
@@ -119,7 +120,7 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
     drafts: dict[str, LoadedModel] = {}
     methods: list[Method] = []
     for spec in specs:
-        name = spec.name(default_dtype)
+        name = spec.name(default_dtype, default_quant)
         if spec.kind in OURS:
             key = (spec.dtype, spec.quant)
             if key not in targets:

@@ -192,7 +192,8 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", gamma: int | None = None,
+def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", quant: str = "none",
+              gamma: int | None = None,
               questions_path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
               per_category: int | None = 2, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,
               out: Path = Path("bench_out"), bit_exact: bool = True, coupling: str = "rejection",
@@ -210,7 +211,7 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
     SamplingParams(temperature, coupling=coupling)
     if max_new_tokens <= 0 or repeats <= 0 or (per_category is not None and per_category <= 0):
         raise InvalidRequestError("--max-new-tokens, --repeats and --per-category must be >= 1")
-    specs = parse_methods(methods, dtype)
+    specs = parse_methods(methods, dtype, quant)
     questions = load_questions(questions_path, categories, per_category)
     if not questions:
         raise InvalidRequestError("no questions selected")
@@ -223,8 +224,8 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
     log(f"CPU: {machine['cpu']} ({machine['capability']}), {machine['threads']} threads, torch {machine['torch']}")
     log(f"{len(questions)} prompts × {len(specs)} methods × {repeats} repeat(s), {max_new_tokens} new tokens, "
         f"temperature {temperature}")
-    built = build_methods(specs, target, draft, dtype, gamma=gamma, bit_exact=bit_exact, coupling=coupling, log=log)
-    config = {"target": target, "draft": draft, "dtype": dtype, "gamma": gamma, "methods": [m.name for m in built],
+    built = build_methods(specs, target, draft, dtype, quant, gamma=gamma, bit_exact=bit_exact, coupling=coupling, log=log)
+    config = {"target": target, "draft": draft, "dtype": dtype, "quant": quant, "gamma": gamma, "methods": [m.name for m in built],
               "categories": sorted({q.category for q in questions}), "prompts": len(questions),
               "max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
               "bit_exact": bit_exact, "coupling": coupling}
