@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -35,15 +36,16 @@ constexpr int kBlock = 32;
 constexpr int kPair = 64;
 constexpr int kMaxChunk = 8;  // tokens per pass over a weight row: accumulators must stay in registers
 constexpr int kPrefetch = 2048;  // bytes ahead in a row's weights
+constexpr int64_t kRowBlock = 16;  // weight rows per block of the loop over tokens
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPECDECODE_VNNI 1
 #endif
 
 // What the kernel reads for one pair of blocks and one token, in one record so one pointer walks it: the 64 int8
-// activations in register order and their two block scales (scale[0], scale[1]). The AVX512-VNNI path also
-// reads -8 * the sum of each lane's 4 activations and the scale of each of its 16 lanes; elsewhere records stay
-// small (72 bytes), so that 8 tokens' records for a 1536-wide row stay in the L1 cache.
+// activations in register order, -8 * the sum of each lane's activations (int4 weights are stored as q + 8) and
+// the block scales: per each of 16 lanes on the AVX512-VNNI path; elsewhere per each of 8 lanes and the two block
+// scales (scale[0], scale[1]) in a 104-byte record, so that 8 tokens' records for a 1536-wide row stay in L1.
 #ifdef SPECDECODE_VNNI
 struct alignas(64) PairRecord {
   int8_t q[64];
@@ -53,6 +55,7 @@ struct alignas(64) PairRecord {
 #else
 struct PairRecord {
   int8_t q[64];
+  int32_t neg8[8];
   float scale[2];
 };
 #endif
@@ -60,28 +63,70 @@ struct PairRecord {
 // the element of its pair (0..63) that register position j holds
 constexpr int element_of(int j) { return (j / 4 % 2) * kBlock + (j / 8) * 4 + j % 4; }
 
-// x: [k, K] -> q: [k, Kp] int8, scale: [k, Kp / 32], records: [Kp / 64][k]
+// one block of 32 inputs (zeros past the row's end) -> its scale and q
+float quantize_block(const float* x, int8_t* q) {
+#if defined(__AVX2__)
+  __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  alignas(32) float l[8];
+  _mm256_store_ps(l, amax);
+  float m = l[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, l[i]);
+  if (!_mm256_testz_ps(nan, nan)) m = std::numeric_limits<float>::quiet_NaN();  // as torch's amax
+  const float s = m / 127.f;
+  if (!(s > 0.f)) {  // all zeros, NaN, or an underflowed scale of zero
+    std::memset(q, 0, kBlock);
+    return s;
+  }
+  const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, r));
+    n[i] = _mm256_cvtps_epi32(_mm256_andnot_ps(_mm256_cmp_ps(r, r, _CMP_UNORD_Q), c));  // NaN (inf / inf) -> 0
+  }
+  const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  // the packs work per 128-bit half: dword j holds n[j % 4] elements 0..3 (j < 4) or 4..7; put them in order
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return s;
+#else
+  float amax = 0.f;  // NaN if any input is NaN, as torch's amax
+  for (int i = 0; i < kBlock; ++i) {
+    const float a = std::fabs(x[i]);
+    if (!(a <= amax) && !std::isnan(amax)) amax = a;  // a NaN, once seen, stays
+  }
+  const float s = amax / 127.f;
+  for (int i = 0; i < kBlock; ++i) {
+    float v = s > 0.f ? std::nearbyint(x[i] / s) : 0.f;
+    v = std::isnan(v) ? 0.f : std::min(127.f, std::max(-127.f, v));  // inf / inf; a denormal scale
+    q[i] = static_cast<int8_t>(v);
+  }
+  return s;
+#endif
+}
+
+// x: [k, K] -> q: [k, Kp] int8, scale: [k, Kp / 32], records: [chunks of kMaxChunk tokens][Kp / 64][kMaxChunk]
 void quantize_rows(const float* x, int64_t k, int64_t K, int64_t Kp, int8_t* q, float* scale, PairRecord* records) {
   const int64_t nb = Kp / kBlock;
   for (int64_t t = 0; t < k; ++t) {
     for (int64_t b = 0; b < nb; ++b) {
-      float amax = 0.f;  // NaN if any input is NaN, as torch's amax
-      for (int i = 0; i < kBlock; ++i) {
-        const int64_t c = b * kBlock + i;
-        const float a = c < K ? std::fabs(x[t * K + c]) : 0.f;
-        if (!(a <= amax) && !std::isnan(amax)) amax = a;  // a NaN, once seen, stays
-      }
-      const float s = amax / 127.f;
-      scale[t * nb + b] = s;
-      for (int i = 0; i < kBlock; ++i) {
-        const int64_t c = b * kBlock + i;
-        float v = (c < K && s > 0.f) ? std::nearbyint(x[t * K + c] / s) : 0.f;
-        v = std::isnan(v) ? 0.f : std::min(127.f, std::max(-127.f, v));  // inf / inf; a denormal scale
-        q[t * Kp + c] = static_cast<int8_t>(v);
+      const int64_t c = b * kBlock;
+      if (c + kBlock <= K) {
+        scale[t * nb + b] = quantize_block(x + t * K + c, q + t * Kp + c);
+      } else {  // the row's end: zeros beyond it
+        float buf[kBlock] = {0.f};
+        std::memcpy(buf, x + t * K + c, std::max<int64_t>(0, K - c) * sizeof(float));
+        scale[t * nb + b] = quantize_block(buf, q + t * Kp + c);
       }
     }
     for (int64_t p = 0; p < Kp / kPair; ++p) {
-      PairRecord& r = records[p * k + t];
+      PairRecord& r = records[(t / kMaxChunk * (Kp / kPair) + p) * kMaxChunk + t % kMaxChunk];
       for (int j = 0; j < kPair; ++j) r.q[j] = q[t * Kp + p * kPair + element_of(j)];
 #ifdef SPECDECODE_VNNI
       for (int l = 0; l < 16; ++l) {
@@ -89,6 +134,11 @@ void quantize_rows(const float* x, int64_t k, int64_t K, int64_t Kp, int8_t* q, 
         r.scale[l] = scale[t * nb + 2 * p + l % 2];
       }
 #else
+      for (int l = 0; l < 8; ++l) {
+        int32_t sum = 0;
+        for (int j = 4 * l; j < 4 * l + 4; ++j) sum += r.q[j] + r.q[j + 32];
+        r.neg8[l] = -8 * sum;
+      }
       r.scale[0] = scale[t * nb + 2 * p];
       r.scale[1] = scale[t * nb + 2 * p + 1];
 #endif
@@ -108,13 +158,13 @@ const char* kPath = "avx512-vnni";
 constexpr int kLanes4 = 16;
 
 template <int T>
-void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t stride, float* out,
                int64_t ostride) {
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  for (int64_t p = 0; p < npairs; ++p, rec += k) {
+  for (int64_t p = 0; p < npairs; ++p, rec += stride) {
     _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetch), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(ws + 2 * p + kPrefetch / 16), _MM_HINT_T0);
     // [32 bytes | the same 32 bytes] >> [0 | 4] & 0x0F: low nibbles, then high nibbles
@@ -136,50 +186,71 @@ void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairReco
   }
 }
 
+template <int T>
+void block4(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
+            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
+  for (int64_t n = 0; n < rows; ++n)
+    row_chunk<T>(w + n * row_bytes, ws + n * ws_stride, npairs, rec, stride, out + n, ostride);
+}
+
 #elif defined(__AVX2__)
 const char* kPath = "avx2";
 constexpr int kLanes4 = 8;
 #endif
 
 #if defined(__AVX2__)
-// The AVX2 code, for int4 weights on AVX2 CPUs and for int8 weights on every AVX2 or AVX-512 CPU: the weights as
-// signed bytes w (int4: u - 8), each product as |w| * (q * sign(w)) (vpmaddubsw takes unsigned x signed), as
-// llama.cpp's Q4_0 x Q8_0 does; exact in int16 (int4: |4 * 8 * 127|, int8: |2 * 127 * 127|) and int32.
+// The AVX2 code, for int4 weights on AVX2 CPUs and for int8 weights on every AVX2 or AVX-512 CPU. Lane l of a
+// pair's 8: the products at positions 4l..4l+3 and 32+4l..32+4l+3.
 template <int Bits>
-struct SignedWeights {
-  __m256i w0, w1, abs0, abs1;  // positions 0..31 and 32..63
-  SignedWeights(const uint8_t* pair) {
-    if constexpr (Bits == 4) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-      const __m256i mask = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
-      w0 = _mm256_sub_epi8(_mm256_and_si256(packed, mask), eight);
-      w1 = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), eight);
-    } else {
-      w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-      w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
-    }
+struct PairWeights;
+
+// int4: u = q + 8 in 0..15 times q by vpmaddubsw (|4 * 15 * 127| fits int16), then -8 * sum(q) from the record
+template <>
+struct PairWeights<4> {
+  __m256i lo, hi;  // positions 0..31 and 32..63
+  void load(const uint8_t* pair) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(packed, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+  }
+  __m256i lanes(const PairRecord& r, __m256i ones) const {
+    const __m256i p = _mm256_add_epi16(
+        _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q))),
+        _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + 32))));
+    return _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.neg8)));
+  }
+};
+
+// int8: signed weights, each product as |w| * (q * sign(w)) as llama.cpp's Q8_0 x Q8_0 (|2 * 127 * 127| fits int16)
+template <>
+struct PairWeights<8> {
+  __m256i w0, w1, abs0, abs1;
+  void load(const uint8_t* pair) {
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
     abs0 = _mm256_sign_epi8(w0, w0);
     abs1 = _mm256_sign_epi8(w1, w1);
   }
-  // lane l: the products at positions 4l..4l+3 and 32+4l..32+4l+3
-  __m256i lanes(const int8_t* q, __m256i ones) const {
-    const __m256i p0 = _mm256_maddubs_epi16(abs0, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), w0));
-    const __m256i p1 = _mm256_maddubs_epi16(abs1, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)), w1));
-    if constexpr (Bits == 4) return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
-    return _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+  __m256i lanes(const PairRecord& r, __m256i ones) const {
+    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q));
+    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + 32));
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(q0, w0)), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(q1, w1)), ones));
   }
 };
 
 template <int Bits, int T>
-void row_chunk_avx2(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
-                    int64_t ostride) {
+void row_chunk_avx2(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t stride,
+                    float* out, int64_t ostride) {
   constexpr int kPairBytes = 8 * Bits;
   __m256 acc[T];  // 8 lanes per token
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t p = 0; p < npairs; ++p, rec += k) {
+  for (int64_t p = 0; p < npairs; ++p, rec += stride) {
     _mm_prefetch(reinterpret_cast<const char*>(w + p * kPairBytes + kPrefetch), _MM_HINT_T0);
-    const SignedWeights<Bits> wp(w + p * kPairBytes);
+    PairWeights<Bits> wp;
+    wp.load(w + p * kPairBytes);
     double two_scales;
     std::memcpy(&two_scales, ws + 2 * p, sizeof two_scales);
     const __m256 wsv = _mm256_castpd_ps(_mm256_set1_pd(two_scales));  // [s0, s1, s0, s1, ...]
@@ -187,7 +258,7 @@ void row_chunk_avx2(const uint8_t* w, const float* ws, int64_t npairs, const Pai
       const PairRecord& r = rec[t];
       std::memcpy(&two_scales, r.scale, sizeof two_scales);
       const __m256 d = _mm256_mul_ps(wsv, _mm256_castpd_ps(_mm256_set1_pd(two_scales)));
-      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(wp.lanes(r.q, ones)), d));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(wp.lanes(r, ones)), d));
     }
   }
   alignas(32) float lanes[8];
@@ -197,11 +268,18 @@ void row_chunk_avx2(const uint8_t* w, const float* ws, int64_t npairs, const Pai
   }
 }
 
+template <int Bits, int T>
+void block_avx2(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
+                const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
+  for (int64_t n = 0; n < rows; ++n)
+    row_chunk_avx2<Bits, T>(w + n * row_bytes, ws + n * ws_stride, npairs, rec, stride, out + n, ostride);
+}
+
 #ifndef SPECDECODE_VNNI
 template <int T>
-void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
-               int64_t ostride) {
-  row_chunk_avx2<4, T>(w, ws, npairs, rec, k, out, ostride);
+void block4(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
+            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
+  block_avx2<4, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
 }
 #endif
 
@@ -216,12 +294,12 @@ inline int32_t weight_at(const uint8_t* w, int j, int bits) {
 }
 
 template <int Bits, int T>
-void row_chunk_scalar(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
+void row_chunk_scalar(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t stride, float* out,
                       int64_t ostride) {
   for (int t = 0; t < T; ++t) {
     float acc[8] = {0.f};
     for (int64_t p = 0; p < npairs; ++p) {
-      const PairRecord& r = rec[p * k + t];
+      const PairRecord& r = rec[p * stride + t];
       const uint8_t* wp = w + p * 8 * Bits;
       for (int l = 0; l < 8; ++l) {
         const int32_t offset = Bits == 4 ? 8 : 0;
@@ -236,33 +314,38 @@ void row_chunk_scalar(const uint8_t* w, const float* ws, int64_t npairs, const P
   }
 }
 
+template <int Bits, int T>
+void block_scalar(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
+                  const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
+  for (int64_t n = 0; n < rows; ++n)
+    row_chunk_scalar<Bits, T>(w + n * row_bytes, ws + n * ws_stride, npairs, rec, stride, out + n, ostride);
+}
+
 template <int T>
-void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
-               int64_t ostride) {
-  row_chunk_scalar<4, T>(w, ws, npairs, rec, k, out, ostride);
+void block4(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
+            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
+  block_scalar<4, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
 }
 #endif
 
 // int8 weights: the AVX2 code on AVX2 and AVX-512 CPUs alike (a head's k is small: its weights' bytes bound it)
+template <int T>
+void block8(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
+            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
 #if defined(__AVX2__)
-template <int T>
-void row_chunk8(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
-                int64_t ostride) {
-  row_chunk_avx2<8, T>(w, ws, npairs, rec, k, out, ostride);
-}
+  block_avx2<8, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
 #else
-template <int T>
-void row_chunk8(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t k, float* out,
-                int64_t ostride) {
-  row_chunk_scalar<8, T>(w, ws, npairs, rec, k, out, ostride);
-}
+  block_scalar<8, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
 #endif
+}
 
-using RowFn = void (*)(const uint8_t*, const float*, int64_t, const PairRecord*, int64_t, float*, int64_t);
-const RowFn kChunks[kMaxChunk + 1] = {nullptr, row_chunk<1>, row_chunk<2>, row_chunk<3>, row_chunk<4>,
-                                      row_chunk<5>, row_chunk<6>, row_chunk<7>, row_chunk<8>};
-const RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1>, row_chunk8<2>, row_chunk8<3>, row_chunk8<4>,
-                                       row_chunk8<5>, row_chunk8<6>, row_chunk8<7>, row_chunk8<8>};
+// rows [0, rows) of a block of weight rows, for T tokens
+using BlockFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, const PairRecord*, int64_t, float*,
+                         int64_t, int64_t);
+const BlockFn kBlocks4[kMaxChunk + 1] = {nullptr, block4<1>, block4<2>, block4<3>, block4<4>,
+                                         block4<5>, block4<6>, block4<7>, block4<8>};
+const BlockFn kBlocks8[kMaxChunk + 1] = {nullptr, block8<1>, block8<2>, block8<3>, block8<4>,
+                                         block8<5>, block8<6>, block8<7>, block8<8>};
 
 }  // namespace
 
@@ -273,7 +356,8 @@ struct Quantized {
 Quantized quantize(const torch::Tensor& x, int64_t Kp) {
   const int64_t k = x.size(0);
   Quantized r{torch::zeros({k, Kp}, torch::kInt8), torch::empty({k, Kp / kBlock}, torch::kFloat32),
-              torch::empty({Kp / kPair, k, static_cast<int64_t>(sizeof(PairRecord))}, torch::kUInt8)};
+              torch::empty({(k + kMaxChunk - 1) / kMaxChunk * kMaxChunk * (Kp / kPair),
+                            static_cast<int64_t>(sizeof(PairRecord))}, torch::kUInt8)};
   auto* records = reinterpret_cast<PairRecord*>(r.records.data_ptr<uint8_t>());
 #ifdef SPECDECODE_VNNI
   TORCH_CHECK(reinterpret_cast<uintptr_t>(records) % 64 == 0, "unaligned activation buffer");  // aligned loads
@@ -310,12 +394,16 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const 
   const float* ws = wscale.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t npairs = Kp / kPair, row_bytes = Kp * bits / 8;
-  const RowFn* chunks = bits == 4 ? kChunks : kChunks8;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+  const BlockFn* blocks = bits == 4 ? kBlocks4 : kBlocks8;
+  // blocks of kRowBlock weight rows (kept in L2) times chunks of kMaxChunk tokens (their records in L1): a long
+  // prefill reads each token's records once per block, not once per weight row
+  at::parallel_for(0, N, kRowBlock, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
+      const int64_t n1 = std::min(end, n0 + kRowBlock);
       for (int64_t t0 = 0; t0 < k; t0 += kMaxChunk) {
         const int64_t T = std::min<int64_t>(kMaxChunk, k - t0);
-        chunks[T](w + n * row_bytes, ws + n * (Kp / kBlock), npairs, records + t0, k, o + t0 * N + n, N);
+        blocks[T](w + n0 * row_bytes, row_bytes, ws + n0 * (Kp / kBlock), Kp / kBlock, npairs, records + t0 * npairs,
+                  kMaxChunk, o + t0 * N + n0, N, n1 - n0);
       }
     }
   });
