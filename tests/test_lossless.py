@@ -14,7 +14,7 @@ from specdecode.drafting.hybrid import HybridDrafter
 from specdecode.drafting.model import ModelDrafter
 from specdecode.drafting.ngram import NgramDrafter
 from specdecode.drafting.none import NoDrafter
-from specdecode.engine import GammaSchedule, SpeculativeGenerator
+from specdecode.engine import CostModel, GammaSchedule, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.loading import load_model
 from specdecode.verification.gumbel import gumbel_noise, noisy_scores
@@ -55,6 +55,50 @@ def test_greedy_speculative_equals_plain_greedy(tiny_pair, plain_outputs, drafte
         assert result.token_ids == expected, f"prompt {prompt}"
         accepted += result.stats.accepted_tokens
     assert accepted > 0  # the drafts were really used, not all rejected
+
+
+def _costs(forward: dict[int, float], draft: float, accepted: float, rejected: float) -> CostModel:
+    return CostModel(forward=dict(forward), draft=draft, accepted=accepted, rejected=rejected)
+
+
+def test_the_cost_model_waits_for_two_widths_and_a_draft():
+    costs = CostModel()
+    assert costs.best_gamma(8) is None
+    costs.observe(5, 0.1, 4, 3, 0.04)
+    assert costs.best_gamma(8) is None  # one width: no slope yet
+    costs.observe(9, 0.2, 8, 8, 0.08)
+    assert costs.best_gamma(8) is not None
+    assert costs.forward_seconds(1) == pytest.approx(0.025)  # extrapolated to 0, bounded below by a quarter
+    assert costs.forward_seconds(7) == pytest.approx(0.15)
+
+
+def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes():
+    # an AVX2 CPU: a verify of 5 tokens costs 2.2 plain steps and a draft token half of one; 60% acceptance
+    costs = _costs({1: 0.048, 5: 0.103, 9: 0.19}, draft=0.023, accepted=6, rejected=4)
+    choices = [costs.best_gamma(8) for _ in range(CostModel.PROBE_AFTER + 2)]
+    assert choices[:CostModel.PROBE_AFTER] == [0] * CostModel.PROBE_AFTER and 1 in choices  # then one probe
+
+
+def test_the_cost_model_drafts_long_where_verifying_is_flat():
+    costs = _costs({1: 0.056, 9: 0.082}, draft=0.002, accepted=18, rejected=1)  # AMX int4 target, n-gram drafts
+    assert costs.best_gamma(8) == 8
+    costs = _costs({1: 0.056, 9: 0.082}, draft=0.021, accepted=9, rejected=1)  # a 0.5B draft model: dearer
+    assert 2 <= costs.best_gamma(8) < 8
+
+
+def test_greedy_output_is_plain_decodings_whatever_the_cost_model_chooses(tiny_pair, plain_outputs):
+    target, draft = tiny_pair
+    gen = SpeculativeGenerator(target.model, make_drafter("model", target, draft, adaptive=True), target.tokenizer,
+                               GammaSchedule(3, adaptive=True))
+    gen.costs = _costs({1: 1.0, 2: 3.0}, draft=1.0, accepted=1, rejected=1)  # drafting looks hopeless: mostly plain
+    gen.costs.decay = 1.0  # keep these numbers whatever is measured
+    steps = drafted_steps = 0
+    for prompt, expected in zip(random_prompts(N_PROMPTS, 64)[:20], plain_outputs):
+        result = gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[])
+        assert result.token_ids == expected, f"prompt {prompt}"
+        steps += result.stats.target_forward_passes
+        drafted_steps += result.stats.drafts
+    assert 0 < drafted_steps < steps / 4  # mostly plain steps, and the probes drafted
 
 
 # ---- exact distribution of the first two tokens, by enumeration, against 120k speculative samples ----

@@ -20,9 +20,66 @@ from specdecode.verification.verify import verify
 DEFAULT_MAX_CONTEXT = 8192  # tokens; caps the preallocated KV cache of long-context models
 
 
+@dataclass
+class CostModel:
+    """What speculation costs and yields here, measured as decoding goes (exponential moving averages per step):
+    seconds of a target forward of k tokens, seconds per drafted token, and how often a drafted token is accepted.
+
+    An adaptive draft length takes the gamma that maximises expected tokens per second under these numbers
+    (Leviathan et al. 2023, section 3.4: (1 - a^(g+1)) / (1 - a) tokens for g * c_draft + c_forward(g + 1)
+    seconds), 0 included: a plain step, where drafting does not pay (a slow draft, a verify cost that grows fast
+    with k, low acceptance). After PROBE_AFTER plain steps in a row it drafts one token again to see whether
+    acceptance has changed. Which gamma runs never changes the output, only the speed.
+    """
+
+    PROBE_AFTER = 16
+    decay: float = 0.9
+    forward: dict[int, float] = field(default_factory=dict)  # width -> seconds
+    draft: float | None = None  # seconds per drafted token
+    accepted: float = 1.0  # decayed counts of accepted and rejected drafted tokens: a 50% prior
+    rejected: float = 1.0
+    plain_steps: int = 0  # plain steps in a row chosen by `best_gamma`
+
+    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
+        d = self.decay
+        old = self.forward.get(width)
+        self.forward[width] = forward_s if old is None else d * old + (1 - d) * forward_s
+        if drafted:
+            per_token = draft_s / drafted
+            self.draft = per_token if self.draft is None else d * self.draft + (1 - d) * per_token
+            self.accepted = d * self.accepted + accepted
+            self.rejected = d * self.rejected + (accepted < drafted)
+
+    def forward_seconds(self, width: int) -> float:
+        """Measured, else linear in the width through the two nearest measured widths (at least 2 measured)."""
+        if width in self.forward:
+            return self.forward[width]
+        near = sorted(self.forward, key=lambda w: (abs(w - width), w))[:2]
+        (w0, t0), (w1, t1) = sorted((w, self.forward[w]) for w in near)
+        return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), min(self.forward.values()) / 4)
+
+    def best_gamma(self, maximum: int) -> int | None:
+        """The draft length worth running now, or None until a draft and two forward widths have been timed."""
+        if self.draft is None or len(self.forward) < 2:
+            return None
+        a = self.accepted / (self.accepted + self.rejected)
+
+        def tokens_per_second(g: int) -> float:
+            tokens = (1 - a ** (g + 1)) / (1 - a) if a < 1 else g + 1.0
+            return tokens / (g * self.draft + self.forward_seconds(g + 1))
+
+        best = max(range(maximum + 1), key=tokens_per_second)
+        self.plain_steps = self.plain_steps + 1 if best == 0 else 0
+        if self.plain_steps > self.PROBE_AFTER:
+            self.plain_steps = 0
+            return 1
+        return best
+
+
 @dataclass(frozen=True)
 class GammaSchedule:
-    """Draft length: fixed, or adaptive (grow after a fully accepted draft, shrink after an early rejection)."""
+    """Draft length: fixed, or adaptive: chosen by the generator's CostModel once it has measured enough, before
+    that grown after a fully accepted draft and shrunk after an early rejection."""
 
     initial: int = 4
     adaptive: bool = False
@@ -166,6 +223,7 @@ class SpeculativeGenerator:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.cache = None  # allocated once, reused by every request (rollback makes stale slots harmless)
+        self.costs = CostModel()  # measured by every request: what adaptive draft lengths are chosen by
 
     def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a text prompt, a list of ids, or a list of chat messages ({"role", "content"})."""
@@ -234,13 +292,20 @@ class SpeculativeGenerator:
         ids = seq.ids
         seq.prefill(self.target, self.cache)
         while seq.finish is None:
+            chosen = self.costs.best_gamma(self.gamma.maximum) if self.gamma.adaptive else None
+            seq.gamma = seq.gamma if chosen is None else chosen
+            accepted_before = seq.stats.accepted_tokens
             t0 = time.perf_counter()
             draft = self.drafter.propose(ids, seq.draft_len(), seq.params, seq.generator)
             t1 = time.perf_counter()
             logits = self.target(torch.tensor([[ids[-1]] + draft.tokens]), torch.tensor([len(ids) - 1]), self.cache)
+            t2 = time.perf_counter()
             seq.stats.draft_seconds += t1 - t0
-            seq.stats.verify_seconds += time.perf_counter() - t1
-            yield from seq.accept(logits, draft)
+            seq.stats.verify_seconds += t2 - t1
+            events = seq.accept(logits, draft)
+            self.costs.observe(1 + len(draft.tokens), t2 - t1, len(draft.tokens),
+                               seq.stats.accepted_tokens - accepted_before, t1 - t0)
+            yield from events
         yield from seq.close()
 
 
