@@ -64,8 +64,10 @@ def _costs(forward: dict[int, float], draft: float, accepted: float, rejected: f
 def test_the_cost_model_waits_for_two_widths_and_a_draft():
     costs = CostModel()
     assert costs.best_gamma(8) is None
+    costs.observe(5, 0.1, 4, 3, 2.0)  # a request's first draft also fills the draft model's cache: not its cost
+    assert costs.best_gamma(8) is None and costs.draft is None
     costs.observe(5, 0.1, 4, 3, 0.04)
-    assert costs.best_gamma(8) is None  # one width: no slope yet
+    assert costs.best_gamma(8) is None and costs.draft == pytest.approx(0.01)  # one width: no slope yet
     costs.observe(9, 0.2, 8, 8, 0.08)
     assert costs.best_gamma(8) is not None
     assert costs.forward_seconds(1) == pytest.approx(0.025)  # extrapolated to 0, bounded below by a quarter
@@ -75,6 +77,9 @@ def test_the_cost_model_waits_for_two_widths_and_a_draft():
 def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes():
     # an AVX2 CPU: a verify of 5 tokens costs 2.2 plain steps and a draft token half of one; 60% acceptance
     costs = _costs({1: 0.048, 5: 0.103, 9: 0.19}, draft=0.023, accepted=6, rejected=4)
+    costs.observe(2, 0.062, 1, 1, 5.0)  # a probe after plain steps catches the draft model up: not its cost
+    assert costs.draft == 0.023
+    costs.accepted, costs.rejected = 6, 4
     choices = [costs.best_gamma(8) for _ in range(CostModel.PROBE_AFTER + 2)]
     assert choices[:CostModel.PROBE_AFTER] == [0] * CostModel.PROBE_AFTER and 1 in choices  # then one probe
 

@@ -29,7 +29,9 @@ class CostModel:
     (Leviathan et al. 2023, section 3.4: (1 - a^(g+1)) / (1 - a) tokens for g * c_draft + c_forward(g + 1)
     seconds), 0 included: a plain step, where drafting does not pay (a slow draft, a verify cost that grows fast
     with k, low acceptance). After PROBE_AFTER plain steps in a row it drafts one token again to see whether
-    acceptance has changed. Which gamma runs never changes the output, only the speed.
+    acceptance has changed. The draft's cost is only taken from a drafting step that follows one within the same
+    request: the first also reads the prompt or the tokens since the last draft into the draft model's cache.
+    Which gamma runs never changes the output, only the speed.
     """
 
     PROBE_AFTER = 16
@@ -39,16 +41,19 @@ class CostModel:
     accepted: float = 1.0  # decayed counts of accepted and rejected drafted tokens: a 50% prior
     rejected: float = 1.0
     plain_steps: int = 0  # plain steps in a row chosen by `best_gamma`
+    drafted_last: bool = False  # whether this request's previous step drafted
 
     def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
         d = self.decay
         old = self.forward.get(width)
         self.forward[width] = forward_s if old is None else d * old + (1 - d) * forward_s
-        if drafted:
+        if drafted and self.drafted_last:  # a steady drafting step: no catching up on the context
             per_token = draft_s / drafted
             self.draft = per_token if self.draft is None else d * self.draft + (1 - d) * per_token
+        if drafted:
             self.accepted = d * self.accepted + accepted
             self.rejected = d * self.rejected + (accepted < drafted)
+        self.drafted_last = drafted > 0
 
     def forward_seconds(self, width: int) -> float:
         """Measured, else linear in the width through the two nearest measured widths (at least 2 measured)."""
@@ -291,6 +296,7 @@ class SpeculativeGenerator:
             self.cache = self.target.new_cache(1, self.max_context + self.gamma.maximum + 1)
         ids = seq.ids
         seq.prefill(self.target, self.cache)
+        self.costs.drafted_last = False
         while seq.finish is None:
             chosen = self.costs.best_gamma(self.gamma.maximum) if self.gamma.adaptive else None
             seq.gamma = seq.gamma if chosen is None else chosen
