@@ -80,8 +80,9 @@ def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes
     costs.observe(2, 0.062, 1, 1, 5.0)  # a probe after plain steps catches the draft model up: not its cost
     assert costs.draft == 0.023
     costs.accepted, costs.rejected = 6, 4
-    choices = [costs.best_gamma(8) for _ in range(CostModel.PROBE_AFTER + 2)]
-    assert choices[:CostModel.PROBE_AFTER] == [0] * CostModel.PROBE_AFTER and 1 in choices  # then one probe
+    choices = [costs.best_gamma(8) for _ in range(CostModel.PROBE_AFTER + 4)]
+    probe = [1, 1, 0]  # two drafting steps in a row: the second measures the draft's cost again
+    assert choices == [0] * CostModel.PROBE_AFTER + probe + [0]
 
 
 def test_the_cost_model_drafts_long_where_verifying_is_flat():

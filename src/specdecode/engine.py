@@ -28,9 +28,10 @@ class CostModel:
     An adaptive draft length takes the gamma that maximises expected tokens per second under these numbers
     (Leviathan et al. 2023, section 3.4: (1 - a^(g+1)) / (1 - a) tokens for g * c_draft + c_forward(g + 1)
     seconds), 0 included: a plain step, where drafting does not pay (a slow draft, a verify cost that grows fast
-    with k, low acceptance). After PROBE_AFTER plain steps in a row it drafts one token again to see whether
-    acceptance has changed. The draft's cost is only taken from a drafting step that follows one within the same
-    request: the first also reads the prompt or the tokens since the last draft into the draft model's cache.
+    with k, low acceptance). After PROBE_AFTER plain steps in a row it drafts one token in two steps to see
+    whether acceptance and the draft's cost have changed. The draft's cost is only taken from a drafting step
+    that follows one within the same request: the first also reads the prompt or the tokens since the last
+    draft into the draft model's cache.
     Which gamma runs never changes the output, only the speed.
     """
 
@@ -41,6 +42,7 @@ class CostModel:
     accepted: float = 1.0  # decayed counts of accepted and rejected drafted tokens: a 50% prior
     rejected: float = 1.0
     plain_steps: int = 0  # plain steps in a row chosen by `best_gamma`
+    probing: int = 0  # probe steps still to run
     drafted_last: bool = False  # whether this request's previous step drafted
 
     def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
@@ -76,8 +78,11 @@ class CostModel:
         best = max(range(maximum + 1), key=tokens_per_second)
         self.plain_steps = self.plain_steps + 1 if best == 0 else 0
         if self.plain_steps > self.PROBE_AFTER:
-            self.plain_steps = 0
+            self.plain_steps, self.probing = 0, 2
+        if self.probing and best == 0:
+            self.probing -= 1
             return 1
+        self.probing = 0
         return best
 
 
