@@ -186,13 +186,6 @@ void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairReco
   }
 }
 
-template <int T>
-void block4(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
-            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
-  for (int64_t n = 0; n < rows; ++n)
-    row_chunk<T>(w + n * row_bytes, ws + n * ws_stride, npairs, rec, stride, out + n, ostride);
-}
-
 #elif defined(__AVX2__)
 const char* kPath = "avx2";
 constexpr int kLanes4 = 8;
@@ -268,18 +261,11 @@ void row_chunk_avx2(const uint8_t* w, const float* ws, int64_t npairs, const Pai
   }
 }
 
-template <int Bits, int T>
-void block_avx2(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
-                const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
-  for (int64_t n = 0; n < rows; ++n)
-    row_chunk_avx2<Bits, T>(w + n * row_bytes, ws + n * ws_stride, npairs, rec, stride, out + n, ostride);
-}
-
 #ifndef SPECDECODE_VNNI
 template <int T>
-void block4(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
-            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
-  block_avx2<4, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
+void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t stride, float* out,
+               int64_t ostride) {
+  row_chunk_avx2<4, T>(w, ws, npairs, rec, stride, out, ostride);
 }
 #endif
 
@@ -314,38 +300,30 @@ void row_chunk_scalar(const uint8_t* w, const float* ws, int64_t npairs, const P
   }
 }
 
-template <int Bits, int T>
-void block_scalar(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
-                  const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
-  for (int64_t n = 0; n < rows; ++n)
-    row_chunk_scalar<Bits, T>(w + n * row_bytes, ws + n * ws_stride, npairs, rec, stride, out + n, ostride);
-}
-
 template <int T>
-void block4(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
-            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
-  block_scalar<4, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
+void row_chunk(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t stride, float* out,
+               int64_t ostride) {
+  row_chunk_scalar<4, T>(w, ws, npairs, rec, stride, out, ostride);
 }
 #endif
 
 // int8 weights: the AVX2 code on AVX2 and AVX-512 CPUs alike (a head's k is small: its weights' bytes bound it)
 template <int T>
-void block8(const uint8_t* w, int64_t row_bytes, const float* ws, int64_t ws_stride, int64_t npairs,
-            const PairRecord* rec, int64_t stride, float* out, int64_t ostride, int64_t rows) {
+void row_chunk8(const uint8_t* w, const float* ws, int64_t npairs, const PairRecord* rec, int64_t stride, float* out,
+                int64_t ostride) {
 #if defined(__AVX2__)
-  block_avx2<8, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
+  row_chunk_avx2<8, T>(w, ws, npairs, rec, stride, out, ostride);
 #else
-  block_scalar<8, T>(w, row_bytes, ws, ws_stride, npairs, rec, stride, out, ostride, rows);
+  row_chunk_scalar<8, T>(w, ws, npairs, rec, stride, out, ostride);
 #endif
 }
 
-// rows [0, rows) of a block of weight rows, for T tokens
-using BlockFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, const PairRecord*, int64_t, float*,
-                         int64_t, int64_t);
-const BlockFn kBlocks4[kMaxChunk + 1] = {nullptr, block4<1>, block4<2>, block4<3>, block4<4>,
-                                         block4<5>, block4<6>, block4<7>, block4<8>};
-const BlockFn kBlocks8[kMaxChunk + 1] = {nullptr, block8<1>, block8<2>, block8<3>, block8<4>,
-                                         block8<5>, block8<6>, block8<7>, block8<8>};
+// one weight row for T tokens
+using RowFn = void (*)(const uint8_t*, const float*, int64_t, const PairRecord*, int64_t, float*, int64_t);
+const RowFn kChunks[kMaxChunk + 1] = {nullptr, row_chunk<1>, row_chunk<2>, row_chunk<3>, row_chunk<4>,
+                                      row_chunk<5>, row_chunk<6>, row_chunk<7>, row_chunk<8>};
+const RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1>, row_chunk8<2>, row_chunk8<3>, row_chunk8<4>,
+                                       row_chunk8<5>, row_chunk8<6>, row_chunk8<7>, row_chunk8<8>};
 
 }  // namespace
 
@@ -394,7 +372,7 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const 
   const float* ws = wscale.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t npairs = Kp / kPair, row_bytes = Kp * bits / 8;
-  const BlockFn* blocks = bits == 4 ? kBlocks4 : kBlocks8;
+  const RowFn* chunks = bits == 4 ? kChunks : kChunks8;
   // blocks of kRowBlock weight rows (kept in L2) times chunks of kMaxChunk tokens (their records in L1): a long
   // prefill reads each token's records once per block, not once per weight row
   at::parallel_for(0, N, kRowBlock, [&](int64_t begin, int64_t end) {
@@ -402,8 +380,9 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const 
       const int64_t n1 = std::min(end, n0 + kRowBlock);
       for (int64_t t0 = 0; t0 < k; t0 += kMaxChunk) {
         const int64_t T = std::min<int64_t>(kMaxChunk, k - t0);
-        blocks[T](w + n0 * row_bytes, row_bytes, ws + n0 * (Kp / kBlock), Kp / kBlock, npairs, records + t0 * npairs,
-                  kMaxChunk, o + t0 * N + n0, N, n1 - n0);
+        for (int64_t n = n0; n < n1; ++n)
+          chunks[T](w + n * row_bytes, ws + n * (Kp / kBlock), npairs, records + t0 * npairs, kMaxChunk,
+                    o + t0 * N + n, N);
       }
     }
   });
