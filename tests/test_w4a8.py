@@ -13,14 +13,14 @@ SHAPES = [(96, 64), (40, 96), (33, 100), (70, 1536), (24, 200)]  # widths that a
 PACKERS = {"w4": w4a8.quantize_weight, "w8": w4a8.quantize_weight8}
 
 
-def mm(ext, x, packed, scale):
-    """The extension's kernel for these packed weights (int4: uint8, int8: int8)."""
-    return (ext.w8a8_mm if packed.dtype == torch.int8 else ext.w4a8_mm)(x, packed, scale)
+def mm(ext, x, weights):
+    """The extension's kernel for these packed weights (int4 or int8)."""
+    return (ext.w4a8_mm if isinstance(weights, w4a8.Int4Weights) else ext.w8a8_mm)(x, *weights)
 
 
-def reference(ext, x, packed, scale):
-    """The pure-torch reference in the lanes this build of the kernel sums."""
-    return w4a8.reference_mm(x, packed, scale, ext.lanes(8 if packed.dtype == torch.int8 else 4))
+def reference(ext, x, weights):
+    """The pure-torch reference in the lanes this build of the kernel sums (which also says its arithmetic)."""
+    return w4a8.reference_mm(x, weights, ext.lanes(4 if isinstance(weights, w4a8.Int4Weights) else 8))
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,14 @@ def _case(N: int, K: int, seed: int = 0):
     return weight, x
 
 
+@pytest.mark.parametrize("span", [32, 256])
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_activation_quantization_equals_the_reference(ext, N, K):
+def test_activation_quantization_equals_the_reference(ext, N, K, span):
     _, x = _case(N, K)
     Kp = w4a8.padded_width(K)
-    q, scale = ext.quantize_activations(x, Kp)
-    q_ref, scale_ref = w4a8.reference_quantize_activations(x, Kp)
+    q, scale = ext.quantize_activations(x, Kp, span)
+    q_ref, scale_ref = w4a8.reference_quantize_activations(x, Kp, span)
+    assert scale.shape == (16, -(-Kp // span))
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
 
 
@@ -53,49 +55,85 @@ def test_activation_quantization_equals_the_reference(ext, N, K):
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_kernel_equals_the_reference_for_every_k(ext, N, K, bits):
     weight, x = _case(N, K)
-    packed, scale = PACKERS[bits](weight)
+    weights = PACKERS[bits](weight)
     for k in range(1, 17):
-        assert torch.equal(mm(ext, x[:k], packed, scale), reference(ext, x[:k], packed, scale)), k
+        assert torch.equal(mm(ext, x[:k], weights), reference(ext, x[:k], weights)), k
 
 
 @pytest.mark.parametrize("layer", [W4A8Linear, W8A8Linear])
 @pytest.mark.parametrize("N,K", SHAPES[:3])
 def test_each_row_is_what_it_is_alone(ext, N, K, layer):
     weight, x = _case(N, K, seed=1)
-    packed, scale = layer.pack(weight)
-    alone = torch.cat([mm(ext, x[t:t + 1], packed, scale) for t in range(16)])
-    for k in range(1, 17):
-        assert torch.equal(mm(ext, x[:k], packed, scale), alone[:k]), k
+    weights = layer.pack(weight)
+    alone = torch.cat([mm(ext, x[t:t + 1], weights) for t in range(16)])
+    for k in (*range(1, 17), 40):  # 40: a prefill, five chunks of 8 tokens
+        x_k = x[:k] if k <= 16 else torch.cat([x, x.flip(0), x])[:k]
+        want = alone[:k] if k <= 16 else torch.cat([alone, alone.flip(0), alone])[:k]
+        assert torch.equal(mm(ext, x_k, weights), want), k
     # and the measured group size of the server is the whole range asked
     assert invariant_rows(layer.quantize(weight), 9, 4) == 4
 
 
-def test_quantization_is_q4_0_like_and_close(ext):
-    weight, x = _case(64, 256, seed=2)
-    packed, scale = w4a8.quantize_weight(weight)
-    deq = w4a8.dequantize(packed, scale, 256)
-    step = scale.abs().repeat_interleave(32, dim=1)[:, :256]
+def test_int4_quantization_has_integer_sub_scales_and_is_close(ext):
+    weight, x = _case(64, 600, seed=2)  # 600: three super-blocks, the last one partial
+    weights = w4a8.quantize_weight(weight)
+    assert weights.d.shape == (64, 3) and weights.sub.shape == (64, 24) and weights.corr.shape == (64, 3)
+    # each block's scale is d * its int8 sub-scale, and corr is what the kernel's + 128 on activations adds
+    assert torch.equal(weights.scale, (weights.d.repeat_interleave(8, dim=1) * weights.sub.float())[:, :20])
+    q = w4a8.unpack(weights.packed).long() - 8  # [64, 640]
+    sums = torch.nn.functional.pad(q, (0, 768 - 640)).view(64, 24, 32).sum(-1)  # padding blocks: sub 0
+    assert torch.equal(weights.corr.long(), 128 * (weights.sub.long() * sums).view(64, 3, 8).sum(-1))
+    deq = w4a8.dequantize(weights, 600)
+    step = weights.scale.abs().repeat_interleave(32, dim=1)[:, :600]
     err = (deq - weight).abs()
-    # half a step, except values near the opposite extreme, which clamp at 7 (as in Q4_0): one step
-    assert (err <= step + 1e-7).all() and err.mean() < step.mean() / 3
-    u = w4a8.unpack(packed)
-    assert ((err <= step / 2 + 1e-7) | (u[:, :256] == 15)).all()
-    assert int(u.min()) >= 0 and int(u.max()) <= 15 and (u[:, :256] == 0).any()  # the extreme maps to -8
+    assert (err <= 1.5 * step).all() and err.mean() < step.mean() / 3
+    assert int(q.min()) == -8 and int(q.max()) <= 7
     exact = x @ weight.T
-    err = (ext.w4a8_mm(x, packed, scale) - exact).norm() / exact.norm()
+    err = (ext.w4a8_mm(x, *weights) - exact).norm() / exact.norm()
     assert err < 0.15  # int4 weights and int8 activations: about 8% on Gaussian weights
+    # integer sub-scales cost little: within 5% of the error of a float scale per block (Q4_0)
+    assert (deq - weight).norm() < 1.05 * (_q4_0(weight) - weight).norm()
+
+
+def _q4_0(weight: torch.Tensor) -> torch.Tensor:
+    """Dequantized int4 weights with a float scale per block of 32 (extreme -> -8), for comparison."""
+    w = torch.nn.functional.pad(weight, (0, -weight.shape[1] % 32))
+    w = w.view(w.shape[0], -1, 32)
+    scale = w.gather(-1, w.abs().argmax(-1, keepdim=True)) / -8
+    q = torch.where(scale != 0, torch.round(w / scale), 0).clamp(-8, 7)
+    return (q * scale).view(w.shape[0], -1)[:, :weight.shape[1]]
+
+
+def test_int4_kernel_sums_super_blocks_in_integers_exactly(ext):
+    """Extreme weights and activations: the integer sums must not saturate or overflow (|q + 128| * 8 * 2 in
+    vpmaddubsw's int16, sub-scales up to 127)."""
+    if ext.lanes(4) != 8:
+        pytest.skip("this build takes the per-block VNNI arithmetic for int4")
+    weight = torch.full((8, 512), -1.0)
+    weight[1] = 1.0
+    weight[2, ::2] = -1.0
+    weight[3, :256] = 1e-3  # a small block scale beside a large one: a small sub-scale
+    x = torch.full((3, 512), 1.0)
+    x[1] = -1.0
+    x[2, ::3] = -1.0
+    weights = w4a8.quantize_weight(weight)
+    got = ext.w4a8_mm(x, *weights)
+    assert torch.equal(got, reference(ext, x, weights))
+    exact = x @ w4a8.dequantize(weights, 512).T
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
 
 
 def test_int8_weights_are_q8_0_like_and_close(ext):
     weight, x = _case(64, 256, seed=2)
-    packed, scale = w4a8.quantize_weight8(weight)
+    weights = w4a8.quantize_weight8(weight)
+    packed, scale = weights
     assert packed.dtype == torch.int8 and packed.shape == (64, 256) and int(packed.abs().max()) == 127
-    deq = w4a8.dequantize(packed, scale, 256)
+    deq = w4a8.dequantize(weights, 256)
     step = scale.repeat_interleave(32, dim=1)[:, :256]
     assert ((deq - weight).abs() <= step / 2 + 1e-7).all()
     assert torch.equal(w4a8.unpack(packed)[:, :256].float() * step, deq)  # the register order undone
     exact = x @ weight.T
-    err = (ext.w8a8_mm(x, packed, scale) - exact).norm() / exact.norm()
+    err = (ext.w8a8_mm(x, *weights) - exact).norm() / exact.norm()
     assert err < 0.02  # int8 weights and int8 activations: about 1% on Gaussian weights
 
 
@@ -116,10 +154,10 @@ def test_every_isa_path_equals_the_reference(flags, path):
     for N, K in SHAPES[1:4]:
         weight, x = _case(N, K, seed=4)
         for bits, pack in PACKERS.items():
-            packed, scale = pack(weight)
+            weights = pack(weight)
             for k in (1, 2, 7, 8, 9, 16):
-                got = mm(variant, x[:k], packed, scale)
-                assert torch.equal(got, reference(variant, x[:k], packed, scale)), (bits, N, K, k)
+                got = mm(variant, x[:k], weights)
+                assert torch.equal(got, reference(variant, x[:k], weights)), (bits, N, K, k)
 
 
 @pytest.mark.parametrize("bits", PACKERS)
@@ -130,26 +168,32 @@ def test_nan_inf_and_tiny_activations_behave_as_the_reference(ext, bits):
     x[1, 40] = float("inf")
     x[2, :64] = 1e-39  # denormal: the scale underflows, q must still be clamped to +-127
     x[2, 70] = -3e-39
-    packed, scale = PACKERS[bits](weight)
-    got, want = mm(ext, x, packed, scale), reference(ext, x, packed, scale)
+    weights = PACKERS[bits](weight)
+    got, want = mm(ext, x, weights), reference(ext, x, weights)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert got[0].isnan().all() and got[3:].isfinite().all()
-    q, _ = ext.quantize_activations(x, w4a8.padded_width(200))
-    assert torch.equal(q, w4a8.reference_quantize_activations(x, w4a8.padded_width(200))[0])
+    for span in (32, 256):
+        q, _ = ext.quantize_activations(x, w4a8.padded_width(200), span)
+        assert torch.equal(q, w4a8.reference_quantize_activations(x, w4a8.padded_width(200), span)[0])
 
 
 def test_bad_shapes_give_clear_errors(ext):
-    packed, scale = w4a8.quantize_weight(torch.randn(8, 64))
+    weights = w4a8.quantize_weight(torch.randn(8, 64))
+    packed, scale, d, sub, corr = weights
     with pytest.raises(RuntimeError, match="does not fit"):
-        ext.w4a8_mm(torch.randn(2, 200), packed, scale)
+        ext.w4a8_mm(torch.randn(2, 200), *weights)
     with pytest.raises(RuntimeError, match="float32"):
-        ext.w4a8_mm(torch.randn(2, 64).to(torch.bfloat16), packed, scale)
+        ext.w4a8_mm(torch.randn(2, 64).to(torch.bfloat16), *weights)
     with pytest.raises(RuntimeError, match=r"wscale must be"):
-        ext.w4a8_mm(torch.randn(2, 64), packed, scale.flatten())
+        ext.w4a8_mm(torch.randn(2, 64), packed, scale.flatten(), d, sub, corr)
+    with pytest.raises(RuntimeError, match=r"super-block scales must be"):
+        ext.w4a8_mm(torch.randn(2, 64), packed, scale, d, sub[:, :4], corr)
     with pytest.raises(ValueError, match="do not fit"):  # the fallback refuses what the kernel refuses
-        w4a8.reference_mm(torch.randn(2, 200), packed, scale)
+        w4a8.reference_mm(torch.randn(2, 200), weights)
     with pytest.raises(RuntimeError, match="int8"):  # int4-packed weights in the int8 kernel
         ext.w8a8_mm(torch.randn(2, 64), packed, scale)
+    with pytest.raises(RuntimeError, match="span"):
+        ext.quantize_activations(torch.randn(2, 64), 64, 64)
 
 
 def test_the_layer_casts_and_adds_its_bias(ext):
@@ -158,6 +202,6 @@ def test_the_layer_casts_and_adds_its_bias(ext):
     layer = W4A8Linear.quantize(weight.to(torch.bfloat16), bias.to(torch.bfloat16))
     y = layer(x[:3].to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (3, 40)
-    packed, scale = w4a8.quantize_weight(weight.to(torch.bfloat16))
-    want = (ext.w4a8_mm(x[:3].to(torch.bfloat16).float(), packed, scale).to(torch.bfloat16) + bias.to(torch.bfloat16))
+    weights = w4a8.quantize_weight(weight.to(torch.bfloat16))
+    want = (ext.w4a8_mm(x[:3].to(torch.bfloat16).float(), *weights).to(torch.bfloat16) + bias.to(torch.bfloat16))
     assert torch.equal(y, want)

@@ -26,6 +26,13 @@ CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bf
 KS = tuple(range(1, 17))
 BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32, "int4-amx": 0.5 + 4 / 32,
                     "int8-amx": 1.0 + 4 / 1536, "w4a8": 0.5 + 4 / 32, "w8a8": 1.0 + 4 / 32}  # + scales
+W4A8_SUPER_BYTES = 0.5 + 16 / 256  # w4a8 where the kernel reads super-blocks: a float, an int32, 8 int8 per 256
+
+
+def bytes_per_weight(quant: str) -> float | None:
+    """What a decode step reads per weight of this quant (None: the dtype's size)."""
+    ext = w4a8.extension() if quant == "w4a8" else None
+    return W4A8_SUPER_BYTES if ext is not None and ext.lanes(4) == 8 else BYTES_PER_WEIGHT[quant]
 
 
 def cpu_flags() -> list[str]:
@@ -74,8 +81,8 @@ def floor_ms(cfg: ModelConfig, dtype: str, quant: str, bandwidth_gbs: float) -> 
 
     blocks, head = linear_weights(cfg)
     dense = 4.0 if dtype == "float32" else 2.0
-    head_bytes = BYTES_PER_WEIGHT[target_head_quant(quant)] or dense
-    return (blocks * (BYTES_PER_WEIGHT[quant] or dense) + head * head_bytes) / (bandwidth_gbs * 1e9) * 1e3
+    head_bytes = bytes_per_weight(target_head_quant(quant)) or dense
+    return (blocks * (bytes_per_weight(quant) or dense) + head * head_bytes) / (bandwidth_gbs * 1e9) * 1e3
 
 
 def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfig] | None = None,

@@ -1,4 +1,4 @@
-"""W4A8: int4 weights x int8 activations, the arithmetic of llama.cpp's Q4_0 x Q8_0, as a C++ extension.
+"""W4A8: int4 weights x int8 activations, the arithmetic of llama.cpp's Q4_K x Q8_K, as a C++ extension.
 
 torch's int4 kernel dequantizes to bf16 and grows with k (0.69 ms for 1 row of the 1.5B's 8960x1536
 projection, 2.27 ms for 9 on our Xeon), so a 9-row verify step costs three plain steps. Integer dot
@@ -6,6 +6,11 @@ products (AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`) are cheap enough that k <= 
 than streaming the weights once. The layout and the exact arithmetic are in `w4a8.cpp`; `reference_mm`
 computes the same float operations in the same order with torch, which the tests compare with
 `torch.equal`, and which runs where the extension cannot be built.
+
+Weights: int4 in blocks of 32 whose scales are int8 sub-scales of a float per super-block of 256 (as Q4_K), so
+the AVX2 kernel applies the sub-scales in its integer sums and converts to float once per 256 inputs, against
+activations quantized per super-block (as Q8_K). On AVX512-VNNI CPUs the same weights meet activations
+quantized per block of 32 (as Q4_0 x Q8_0), with the blocks' scales as floats.
 
 W8A8 (`w8a8_mm`) is the same kernel with one signed byte per weight (Q8_0-like): a w4a8 target's lm_head, which
 stays wider than its blocks as llama.cpp's output layer does, and is row-invariant like them.
@@ -18,17 +23,37 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple, Union
 
 import torch
 
 from specdecode.kernels.build import build
 
-BLOCK = 32  # inputs per weight scale and per activation scale
+BLOCK = 32  # inputs per weight scale (and per activation scale on the per-block arithmetic)
 PAIR = 64  # two blocks: the unit the kernel packs and multiplies
+SUPER = 256  # inputs per super-block: one float scale D, and an int8 sub-scale per block of 32
 SOURCE = Path(__file__).with_name("w4a8.cpp")
 # register position j of a pair holds element ELEMENT_OF[j]: lane j // 4 holds block (j // 4) % 2 (see w4a8.cpp)
 ELEMENT_OF = torch.tensor([(j // 4 % 2) * BLOCK + (j // 8) * 4 + j % 4 for j in range(PAIR)])
 POSITION_OF = torch.argsort(ELEMENT_OF)  # the inverse
+
+
+class Int4Weights(NamedTuple):
+    """int4 weights as the kernel takes them (S = super-blocks per row, Kp = width padded to 64)."""
+
+    packed: torch.Tensor  # [N, Kp / 2] uint8: u = q + 8, two per byte in register order
+    scale: torch.Tensor  # [N, Kp / 32] float32: each block's scale, d * sub
+    d: torch.Tensor  # [N, S] float32
+    sub: torch.Tensor  # [N, 8 S] int8
+    corr: torch.Tensor  # [N, S] int32: 128 * sum over the super-block of sub * the block's sum of q
+
+
+class Int8Weights(NamedTuple):
+    packed: torch.Tensor  # [N, Kp] int8 in register order
+    scale: torch.Tensor  # [N, Kp / 32] float32
+
+
+Weights = Union[Int4Weights, Int8Weights]
 
 
 @cache
@@ -42,31 +67,59 @@ def padded_width(in_features: int) -> int:
     return -(-in_features // PAIR) * PAIR
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (packed [N, Kp / 2] uint8, scale [N, Kp / 32] float32), Kp = K padded to 64 with zeros.
+def _super_blocks(width: int) -> int:
+    return -(-width // SUPER)
 
-    Per block of 32: the element of largest magnitude m maps to -8 (scale = m / -8), as in Q4_0, so
-    the whole range -8..7 is used; q = round(w / scale), stored as q + 8, two per byte in register order.
+
+def quantize_weight(weight: torch.Tensor) -> Int4Weights:
+    """[N, K] -> Int4Weights; K is padded to 64 with zeros.
+
+    Per block of 32, the ideal scale maps the element of largest magnitude to -8 (as Q4_0, so the whole range
+    -8..7 is used). Per super-block of 256, d = the largest |ideal scale| / 127, and each block's scale is
+    d * sub with sub an int8: of round(ideal / d) and its two neighbours, the one whose q = round(w / scale),
+    clamped to -8..7, is closest to the weights (as Q4_K's integer sub-scales, so the AVX2 kernel sums 8 blocks
+    in integers).
     """
     N, K = weight.shape
-    w = torch.nn.functional.pad(weight.float(), (0, padded_width(K) - K)).view(N, -1, BLOCK)
-    extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))  # [N, nb, 1], signed
-    scale = extreme / -8
-    q = torch.where(scale != 0, torch.round(w / scale), 0).clamp(-8, 7)
+    Kp = padded_width(K)
+    nb, S = Kp // BLOCK, _super_blocks(Kp)
+    w = torch.nn.functional.pad(weight.float(), (0, S * SUPER - K)).view(N, S, 8, BLOCK)
+    extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True)).squeeze(-1)  # [N, S, 8], signed
+    ideal = extreme / -8
+    d = ideal.abs().amax(-1) / 127  # [N, S]
+    d_ = d.unsqueeze(-1)
+    near = torch.where(d_ > 0, torch.round(ideal / d_), 0)
+    best_q = best_sub = best_err = None
+    for sub in (near, near - 1, near + 1):
+        sub = sub.clamp(-127, 127)
+        scale = (d_ * sub).unsqueeze(-1)  # float32, as the kernel's per-block scale
+        q = torch.where(scale != 0, torch.round(w / scale), 0).clamp(-8, 7)
+        err = ((q * scale - w) ** 2).sum(-1)  # [N, S, 8]
+        if best_err is None:
+            best_q, best_sub, best_err = q, sub, err
+        else:
+            better = err < best_err
+            best_q = torch.where(better.unsqueeze(-1), q, best_q)
+            best_sub, best_err = torch.where(better, sub, best_sub), torch.minimum(err, best_err)
+    corr = 128 * (best_sub.long() * best_q.sum(-1).long()).sum(-1)  # [N, S], exact (|.| < 2^26)
+    q = best_q.view(N, -1)[:, :Kp]
     u = (q + 8).to(torch.uint8).view(N, -1, PAIR)[..., ELEMENT_OF]  # [N, pairs, 64] in register order
     packed = (u[..., :32] | (u[..., 32:] << 4)).reshape(N, -1).contiguous()
-    return packed, scale.view(N, -1).contiguous()
+    sub = best_sub.view(N, -1)
+    scale = (d.unsqueeze(-1) * best_sub).view(N, -1)[:, :nb]
+    return Int4Weights(packed, scale.contiguous(), d.contiguous(), sub.to(torch.int8).contiguous(),
+                       corr.to(torch.int32).contiguous())
 
 
-def quantize_weight8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (packed [N, Kp] int8, scale [N, Kp / 32] float32): per block of 32, scale = amax / 127,
-    q = round(w / scale) in -127..127, stored in register order per pair of blocks."""
+def quantize_weight8(weight: torch.Tensor) -> Int8Weights:
+    """[N, K] -> Int8Weights: per block of 32, scale = amax / 127, q = round(w / scale) in -127..127, stored in
+    register order per pair of blocks."""
     N, K = weight.shape
     w = torch.nn.functional.pad(weight.float(), (0, padded_width(K) - K)).view(N, -1, BLOCK)
     scale = w.abs().amax(-1, keepdim=True) / 127
     q = torch.where(scale != 0, torch.round(w / scale), 0).clamp(-127, 127)
     packed = q.to(torch.int8).view(N, -1, PAIR)[..., ELEMENT_OF].reshape(N, -1).contiguous()
-    return packed, scale.view(N, -1).contiguous()
+    return Int8Weights(packed, scale.view(N, -1).contiguous())
 
 
 def _registers(packed: torch.Tensor) -> torch.Tensor:
@@ -88,50 +141,80 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return _registers(packed)[..., POSITION_OF].reshape(packed.shape[0], -1)
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:
+def dequantize(weights: Weights, in_features: int) -> torch.Tensor:
     """int4 or int8 packed weights -> [N, in_features] float32."""
+    packed = weights.packed
     q = unpack(packed).float().view(packed.shape[0], -1, BLOCK) - _offset(packed)
-    return (q * scale.unsqueeze(-1)).reshape(packed.shape[0], -1)[:, :in_features]
+    return (q * weights.scale.unsqueeze(-1)).reshape(packed.shape[0], -1)[:, :in_features]
 
 
-def reference_quantize_activations(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[k, K] float32 -> (q [k, Kp] int8, scale [k, Kp / 32] float32): scale = amax / 127, q = round(x / scale)."""
+def reference_quantize_activations(x: torch.Tensor, padded: int, span: int = BLOCK
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[k, K] float32 -> (q [k, Kp] int8, scale [k, ceil(Kp / span)] float32): per span of inputs (32: a block,
+    256: a super-block; the last may be shorter), scale = amax / 127, q = round(x / scale)."""
     k = x.shape[0]
-    xb = torch.nn.functional.pad(x.float(), (0, padded - x.shape[1])).view(k, -1, BLOCK)
+    spans = -(-padded // span)
+    xb = torch.nn.functional.pad(x.float(), (0, spans * span - x.shape[1])).view(k, spans, span)
     scale = xb.abs().amax(-1) / 127
     q = torch.where(scale.unsqueeze(-1) > 0, torch.round(xb / scale.unsqueeze(-1)), 0)
     q = q.nan_to_num(0.0, 0.0, 0.0).clamp(-127, 127)  # inf / inf; a denormal scale
-    return q.to(torch.int8).view(k, padded), scale
+    return q.to(torch.int8).view(k, -1)[:, :padded].contiguous(), scale
 
 
-def reference_mm(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor, lanes: int = 8,
-                 rows_per_chunk: int = 256) -> torch.Tensor:
-    """What the C++ kernel computes, operation for operation (see w4a8.cpp), for int4 (uint8 `packed`) or int8
-    weights, in `lanes` float lanes (the extension's `lanes(bits)`: 16 on its AVX512-VNNI int4 path, else 8):
-    [k, K] float32 -> [k, N] float32. Output rows are computed `rows_per_chunk` at a time to bound the integer
-    products' memory."""
-    _check_width(x, packed)
-    k, N, Kp = x.shape[0], packed.shape[0], _padded(packed)
-    pairs = Kp // PAIR
-    q, ascale = reference_quantize_activations(x, Kp)
-    qa = q.view(k, pairs, PAIR)[..., ELEMENT_OF].to(torch.int32).view(k, 1, pairs, 16, 4)
-    block_of_lane = torch.arange(lanes) % 2
-    a_s = ascale.view(k, 1, pairs, 2)[..., block_of_lane]  # [k, 1, pairs, lanes]
+def reference_mm(x: torch.Tensor, weights: Weights, lanes: int = 8, rows_per_chunk: int = 256) -> torch.Tensor:
+    """What the C++ kernel computes, operation for operation (see w4a8.cpp), for int4 or int8 weights, in `lanes`
+    float lanes (the extension's `lanes(bits)`: 16 for int4 on its AVX512-VNNI path, where int4 takes the
+    per-block arithmetic; 8 otherwise, where int4 takes the super-block one): [k, K] float32 -> [k, N] float32.
+    Output rows are computed `rows_per_chunk` at a time to bound the integer products' memory."""
+    _check_width(x, weights.packed)
+    super_blocks = isinstance(weights, Int4Weights) and lanes == 8
     out = []
-    for rows in range(0, N, rows_per_chunk):
-        n = min(rows_per_chunk, N - rows)
-        u = _registers(packed[rows:rows + n]).to(torch.int32).view(1, n, pairs, 16, 4)
-        lanes16 = (u * qa).sum(-1) - _offset(packed) * qa.sum(-1)  # [k, n, pairs, 16], exact integers
-        lane = (lanes16 if lanes == 16 else lanes16[..., :8] + lanes16[..., 8:]).float()  # 8: positions j, j + 32
-        ws = wscale[rows:rows + n].view(1, n, pairs, 2)[..., block_of_lane]  # [1, n, pairs, lanes]
-        acc = torch.zeros(k, n, lanes, dtype=torch.float32)
-        for p in range(pairs):
-            acc = acc + lane[:, :, p] * (ws[:, :, p] * a_s[:, :, p])
+    for rows in range(0, weights.packed.shape[0], rows_per_chunk):
+        part = type(weights)(*(t[rows:rows + rows_per_chunk] for t in weights))
+        acc = (_super_block_lanes if super_blocks else _block_lanes)(x, part, lanes)
         total = acc[..., 0]
         for i in range(1, lanes):
             total = total + acc[..., i]
         out.append(total)
     return torch.cat(out, dim=1)
+
+
+def _block_lanes(x: torch.Tensor, weights: Weights, lanes: int) -> torch.Tensor:
+    """The per-block arithmetic's float lanes [k, n, lanes] after the last pair."""
+    k, n, Kp = x.shape[0], weights.packed.shape[0], _padded(weights.packed)
+    pairs = Kp // PAIR
+    q, ascale = reference_quantize_activations(x, Kp)
+    qa = q.view(k, pairs, PAIR)[..., ELEMENT_OF].to(torch.int32).view(k, 1, pairs, 16, 4)
+    block_of_lane = torch.arange(lanes) % 2
+    a_s = ascale.view(k, 1, pairs, 2)[..., block_of_lane]  # [k, 1, pairs, lanes]
+    u = _registers(weights.packed).to(torch.int32).view(1, n, pairs, 16, 4)
+    lanes16 = (u * qa).sum(-1) - _offset(weights.packed) * qa.sum(-1)  # [k, n, pairs, 16], exact integers
+    lane = (lanes16 if lanes == 16 else lanes16[..., :8] + lanes16[..., 8:]).float()  # 8: positions j, j + 32
+    ws = weights.scale.view(1, n, pairs, 2)[..., block_of_lane]  # [1, n, pairs, lanes]
+    acc = torch.zeros(k, n, lanes, dtype=torch.float32)
+    for p in range(pairs):
+        acc = acc + lane[:, :, p] * (ws[:, :, p] * a_s[:, :, p])
+    return acc
+
+
+def _super_block_lanes(x: torch.Tensor, weights: Int4Weights, lanes: int) -> torch.Tensor:
+    """The super-block arithmetic's 8 float lanes [k, n, 8] after the last super-block."""
+    k, n, Kp = x.shape[0], weights.packed.shape[0], _padded(weights.packed)
+    pairs, S = Kp // PAIR, _super_blocks(Kp)
+    q, ascale = reference_quantize_activations(x, Kp, SUPER)  # ascale [k, S]
+    qa = (q.view(k, pairs, PAIR)[..., ELEMENT_OF].to(torch.int32) + 128).view(k, 1, pairs, 16, 4)
+    qw = _registers(weights.packed).to(torch.int32).view(1, n, pairs, 16, 4) - 8
+    lanes16 = (qw * qa).sum(-1)  # [k, n, pairs, 16]
+    per_pair = lanes16[..., :8] + lanes16[..., 8:]  # lane l: positions 4l..4l+3 and 32+4l..32+4l+3
+    sub = weights.sub.to(torch.int32).view(1, n, -1, 2)[:, :, :pairs, torch.arange(8) % 2]  # [1, n, pairs, 8]
+    scaled = torch.nn.functional.pad(per_pair * sub, (0, 0, 0, S * 4 - pairs))  # [k, n, 4 S, 8]
+    lane = scaled.view(k, n, S, 4, 8).sum(3)  # [k, n, S, 8], exact integers
+    lane[..., 0] -= weights.corr.view(1, n, S)
+    lane = lane.float()
+    acc = torch.zeros(k, n, lanes, dtype=torch.float32)
+    for s in range(S):
+        acc = acc + lane[:, :, s] * (weights.d[:, s].view(1, n, 1) * ascale[:, s].view(k, 1, 1))
+    return acc
 
 
 def _padded(packed: torch.Tensor) -> int:
@@ -144,10 +227,10 @@ def _check_width(x: torch.Tensor, packed: torch.Tensor) -> None:
         raise ValueError(f"inputs of width {x.shape[1]} do not fit weights packed for width {Kp}")
 
 
-def w4a8_mm(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    """x [k, K] (any float dtype) times the packed int4 (uint8) or int8 weights -> [k, N] float32."""
+def w4a8_mm(x: torch.Tensor, weights: Weights) -> torch.Tensor:
+    """x [k, K] (any float dtype) times the packed int4 or int8 weights -> [k, N] float32."""
     ext = extension()
     x = x.float().contiguous()
     if ext is None:
-        return reference_mm(x, packed, wscale)
-    return (ext.w8a8_mm if packed.dtype == torch.int8 else ext.w4a8_mm)(x, packed, wscale)
+        return reference_mm(x, weights)
+    return (ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm)(x, *weights)

@@ -223,32 +223,38 @@ def _require_amx(kind: str = "int4-amx") -> None:
 
 
 class W4A8Linear(Linear):
-    """int4 weights (symmetric, blocks of 32) x int8 activations (per token, blocks of 32): integer dot products
-    in our C++ kernel (kernels/w4a8.py), so that a verify step of k <= 8 rows costs about what one row does."""
+    """int4 weights (symmetric, blocks of 32 with int8 sub-scales of a float per 256) x int8 activations (per
+    token): integer dot products in our C++ kernel (kernels/w4a8.py), so that a verify step of k <= 8 rows costs
+    about what one row does."""
 
     quant = "w4a8"
     pack = staticmethod(w4a8.quantize_weight)
+    Weights = w4a8.Int4Weights
 
     @property
     def row_invariant(self) -> bool:  # the C++ kernel is; its pure-torch stand-in is not promised to be
         return w4a8.extension() is not None
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, in_features: int, bias: torch.Tensor | None,
+    def __init__(self, weights: w4a8.Weights, in_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
-        super().__init__(packed.shape[0], in_features, bias, dtype)
-        self.register_buffer("packed", packed)  # [out, in padded to 64 / 2] uint8 (int4) or [out, in padded] int8
-        self.register_buffer("scale", scale)  # [out, in padded / 32] float32
+        super().__init__(weights.packed.shape[0], in_features, bias, dtype)
+        for name, tensor in weights._asdict().items():  # see w4a8.Int4Weights / Int8Weights
+            self.register_buffer(name, tensor)
         self.register_buffer("width", torch.tensor(in_features))  # the padding hides it: kept to rebuild the layer
+
+    @property
+    def weights(self) -> w4a8.Weights:
+        return self.Weights(*(getattr(self, name) for name in self.Weights._fields))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "W4A8Linear":
-        return cls(*cls.pack(weight), weight.shape[1], bias, weight.dtype)
+        return cls(cls.pack(weight), weight.shape[1], bias, weight.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        return w4a8.dequantize(self.packed, self.scale, self.in_features)
+        return w4a8.dequantize(self.weights, self.in_features)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return w4a8.w4a8_mm(rows, self.packed, self.scale).to(rows.dtype)
+        return w4a8.w4a8_mm(rows, self.weights).to(rows.dtype)
 
 
 class W8A8Linear(W4A8Linear):
@@ -257,6 +263,7 @@ class W8A8Linear(W4A8Linear):
 
     quant = "w8a8"
     pack = staticmethod(w4a8.quantize_weight8)
+    Weights = w4a8.Int8Weights
 
 
 def parse_quant(quant: str) -> tuple[str, int]:
@@ -310,7 +317,7 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
         return Int8AmxLinear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
     if kind in ("w4a8", "w8a8"):
         cls = W4A8Linear if kind == "w4a8" else W8A8Linear
-        return cls(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
+        return cls(cls.Weights(*(tensors[name] for name in cls.Weights._fields)), int(tensors["width"]), bias, dtype)
     return DenseLinear(tensors["weight"], bias)
 
 
