@@ -10,7 +10,7 @@ import pytest
 
 from specdecode.bench.methods import EngineMethod, MethodSpec, RunOutput, parse_methods
 from specdecode.bench.spec_bench import (DEFAULT_QUESTIONS, benchmark, first_mismatch, load_questions,
-                                         markdown_table, own_baseline, report, run, summarize)
+                                         markdown_table, own_baseline, report, run, summarize, time_split)
 from specdecode.builder import build_generator
 from specdecode.errors import InvalidRequestError
 
@@ -165,6 +165,16 @@ def test_summary_arithmetic_by_hand():
     assert s["fastest_plain"] == "plain" and s["best"] == "ngram"
     assert s["headline_speedup"] == pytest.approx(1.0)
     assert "plain ★" in markdown_table(s)
+    assert ngram["ms_per_prompt_token_and_new_token"] is None  # no prompt lengths: nothing to separate
+
+
+def test_time_split_recovers_prefill_and_decode_costs():
+    rows = [{"question_id": i, "category": "qa", "method": "plain", "prompt_tokens": p, "new_tokens": n,
+             "seconds": 0.02 * p + 0.05 * n, "target_forward_passes": n, "mismatch_at": None}
+            for i, (p, n) in enumerate([(50, 128), (300, 128), (120, 40), (80, 128)])]
+    assert time_split(rows) == pytest.approx((20.0, 50.0))
+    assert time_split(rows[:1]) is None  # one row: any split fits
+    assert "20.0 / 50.0" in markdown_table(summarize(rows))
 
 
 def test_benchmark_writes_its_outputs_with_the_transformers_peers(pair_dirs, tmp_path):
@@ -176,11 +186,14 @@ def test_benchmark_writes_its_outputs_with_the_transformers_peers(pair_dirs, tmp
     logs = []
     summary = benchmark(target=target, draft=draft, dtype="float32", methods=["ngram", "model", "hf-plain",
                         "hf-assisted", "hf-prompt-lookup"], questions_path=qfile, per_category=1, max_new_tokens=12,
-                        out=out, progress=False, log=logs.append)
+                        out=out, draft_vocab=40, progress=False, log=logs.append)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 6  # 2 prompts (one per category) x 6 methods, the reference first
     assert {r["method"] for r in rows} == {"plain", "ngram", "model", "hf-plain", "hf-assisted", "hf-prompt-lookup"}
-    assert json.loads((out / "summary.json").read_text())["config"]["prompts"] == 2
+    config = json.loads((out / "summary.json").read_text())["config"]
+    assert config["prompts"] == 2 and config["draft_vocab"] == 40
+    assert summary["methods"]["model"]["draft_ms_per_drafted_token"] > 0  # its draft model: 40 token ids, lossless
+    assert summary["methods"]["plain"]["draft_ms_per_drafted_token"] is None
     for png in ("speedup_by_category.png", "acceptance_by_position.png", "tokens_per_second.png"):
         assert (out / png).stat().st_size > 1000
     assert "#mean accepted tokens" in (out / "table.md").read_text()

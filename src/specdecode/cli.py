@@ -152,7 +152,7 @@ def _bench(args: argparse.Namespace) -> int:
         summary = report(args.out)
     else:
         summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype, quant=args.quant,
-                            gamma=args.gamma, questions_path=args.questions, categories=args.categories,
+                            gamma=args.gamma, draft_vocab=args.draft_vocab, questions_path=args.questions, categories=args.categories,
                             per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, repeats=args.repeats, out=args.out,
                             bit_exact=args.bit_exact, coupling=args.coupling)
@@ -299,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "w4a8 where the unquantized plain reference would take hours (AVX2 CPUs)")
     b.add_argument("--gamma", type=int, default=None,
                    help=f"draft length, 1..8 (default {DEFAULT_GAMMA} for the draft model, 8 for ngram lookups)")
+    b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the draft model proposes only the first N token ids (a smaller, faster lm_head; lossless)")
     b.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     b.add_argument("--categories", nargs="+", default=None)
     b.add_argument("--per-category", type=int, default=2, help="the first N questions of each category (0 = all)")

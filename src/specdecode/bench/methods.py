@@ -112,8 +112,9 @@ def parse_methods(names: list[str], default_dtype: str, default_quant: str = "no
 
 def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtype: str, default_quant: str = "none", *,
                   gamma: int | None, bit_exact: bool = True, coupling: str = "rejection",
-                  log=print) -> list[Method]:
-    """Load each (model, dtype) once; peers whose package is missing are skipped with a message."""
+                  draft_vocab: int | None = None, log=print) -> list[Method]:
+    """Load each (model, dtype) once; peers whose package is missing are skipped with a message.
+    draft_vocab: our draft model proposes only the first N token ids (see `builder.load_draft`)."""
     from specdecode.bench import peers
 
     targets: dict[tuple[str, str], LoadedModel] = {}  # (dtype, quant) -> model
@@ -129,7 +130,7 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
             dft = None
             if cfg["drafter"] in WITH_DRAFT_MODEL:
                 if spec.dtype not in drafts:  # the fastest draft here, as our default: it never changes the output
-                    drafts[spec.dtype] = load_draft(draft, dtype=spec.dtype)
+                    drafts[spec.dtype] = load_draft(draft, dtype=spec.dtype, vocab=draft_vocab)
                 dft = drafts[spec.dtype]
             gen = build_generator(targets[key], draft=dft, gamma=gamma, **cfg)
             methods.append(EngineMethod(name, gen, coupling))

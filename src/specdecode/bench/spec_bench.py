@@ -121,6 +121,21 @@ def _speed(rs: list[dict]) -> float:
     return sum(r["new_tokens"] for r in rs) / max(1e-9, sum(r["seconds"] for r in rs))
 
 
+def time_split(rs: list[dict]) -> tuple[float, float] | None:
+    """(ms per prompt token, ms per new token): the least-squares fit of each row's seconds on its prompt and new
+    tokens (no intercept), the same for every method, peers included, where only the total time is known. It says
+    whether a method loses on prefill or on decoding. None when the rows cannot separate the two."""
+    pp = sum(r.get("prompt_tokens", 0) ** 2 for r in rs)
+    nn = sum(r["new_tokens"] ** 2 for r in rs)
+    pn = sum(r.get("prompt_tokens", 0) * r["new_tokens"] for r in rs)
+    ps = sum(r.get("prompt_tokens", 0) * r["seconds"] for r in rs)
+    ns = sum(r["new_tokens"] * r["seconds"] for r in rs)
+    det = pp * nn - pn * pn
+    if det <= 1e-9 * pp * nn:
+        return None
+    return 1e3 * (ps * nn - ns * pn) / det, 1e3 * (ns * pp - ps * pn) / det
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per method: speedup = tokens/s(method) / tokens/s(baseline) on the same prompts, which is
     time(plain) / time(method) whenever the outputs are identical (greedy, lossless) and stays fair when a
@@ -144,6 +159,10 @@ def summarize(rows: list[dict]) -> dict:
             "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
             "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
             "draft_time_share": sum(r.get("draft_seconds", 0.0) for r in rs) / max(1e-9, sum(r["seconds"] for r in rs)),
+            "ms_per_prompt_token_and_new_token": time_split(rs),
+            # the draft's seconds (its catch-up prefills included) per token it proposed
+            "draft_ms_per_drafted_token": 1e3 * sum(r.get("draft_seconds", 0.0) for r in rs) / sum(drafted)
+            if sum(drafted) else None,
             "baseline": own_baseline(m),
             "mismatches": [[r["question_id"], r["mismatch_at"]] for r in rs if r.get("mismatch_at") is not None],
             "differs_from_plain": sum(r.get("differs_from_plain_at") is not None for r in rs),
@@ -175,15 +194,17 @@ def markdown_table(summary: dict) -> str:
     methods = summary["methods"]
     cats = sorted({c for s in methods.values() for c in s["categories"]})
     head = ["method", *cats, "#mean accepted tokens", "tokens/s", "speedup vs plain", "vs hf-plain",
-            "greedy mismatches vs own plain"]
+            "ms per prompt / new token (fit)", "greedy mismatches vs own plain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, s in methods.items():
         hf = f"{s['speedup_vs_hf_plain']:.2f}x" if s["speedup_vs_hf_plain"] is not None else "–"
         mark = " ★" if m == summary["fastest_plain"] else ""
         base = "–" if s["baseline"] == m else f"{len(s['mismatches'])} of {s['prompts']}"
+        split = s.get("ms_per_prompt_token_and_new_token")
+        split = f"{split[0]:.1f} / {split[1]:.1f}" if split else "–"
         cells = [f"{m}{mark}", *(f"{s['categories'][c]['speedup']:.2f}x" if c in s["categories"] else "–" for c in cats),
                  f"{s['mean_accepted_tokens']:.2f}", f"{s['tokens_per_second']:.2f}",
-                 f"{s['speedup_vs_plain']:.2f}x", hf, base]
+                 f"{s['speedup_vs_plain']:.2f}x", hf, split, base]
         lines.append("| " + " | ".join(cells) + " |")
     if summary["best"]:
         lines.append("")
@@ -193,7 +214,7 @@ def markdown_table(summary: dict) -> str:
 
 
 def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", quant: str = "none",
-              gamma: int | None = None,
+              gamma: int | None = None, draft_vocab: int | None = None,
               questions_path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
               per_category: int | None = 2, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,
               out: Path = Path("bench_out"), bit_exact: bool = True, coupling: str = "rejection",
@@ -224,8 +245,10 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
     log(f"CPU: {machine['cpu']} ({machine['capability']}), {machine['threads']} threads, torch {machine['torch']}")
     log(f"{len(questions)} prompts × {len(specs)} methods × {repeats} repeat(s), {max_new_tokens} new tokens, "
         f"temperature {temperature}")
-    built = build_methods(specs, target, draft, dtype, quant, gamma=gamma, bit_exact=bit_exact, coupling=coupling, log=log)
-    config = {"target": target, "draft": draft, "dtype": dtype, "quant": quant, "gamma": gamma, "methods": [m.name for m in built],
+    built = build_methods(specs, target, draft, dtype, quant, gamma=gamma, bit_exact=bit_exact, coupling=coupling,
+                          draft_vocab=draft_vocab, log=log)
+    config = {"target": target, "draft": draft, "draft_vocab": draft_vocab, "dtype": dtype, "quant": quant,
+              "gamma": gamma, "methods": [m.name for m in built],
               "categories": sorted({q.category for q in questions}), "prompts": len(questions),
               "max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
               "bit_exact": bit_exact, "coupling": coupling}
