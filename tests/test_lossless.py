@@ -83,6 +83,15 @@ def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes
     choices = [costs.best_gamma(8) for _ in range(CostModel.PROBE_AFTER + 4)]
     probe = [1, 1, 0]  # two drafting steps in a row: the second measures the draft's cost again
     assert choices == [0] * CostModel.PROBE_AFTER + probe + [0]
+    # each probe that ends in plain steps doubles the wait for the next: it makes the draft read the context
+    choices += [costs.best_gamma(8) for _ in range(5000)]
+    probes = [i for i in range(1, len(choices)) if choices[i] and not choices[i - 1]]
+    waits = [b - a for a, b in zip(probes, probes[1:])]
+    assert waits[:4] == [m * CostModel.PROBE_AFTER + 1 for m in (2, 4, 8, 16)]  # + the first probe step
+    assert max(waits) == CostModel.MAX_PROBE_AFTER + 1
+    # once drafting pays again, probes come at the first pace
+    costs.draft = 0.001
+    assert costs.best_gamma(8) > 0 and costs.probe_after == CostModel.PROBE_AFTER
 
 
 def test_the_cost_model_drafts_long_where_verifying_is_flat():

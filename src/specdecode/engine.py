@@ -29,13 +29,16 @@ class CostModel:
     (Leviathan et al. 2023, section 3.4: (1 - a^(g+1)) / (1 - a) tokens for g * c_draft + c_forward(g + 1)
     seconds), 0 included: a plain step, where drafting does not pay (a slow draft, a verify cost that grows fast
     with k, low acceptance). After PROBE_AFTER plain steps in a row it drafts one token in two steps to see
-    whether acceptance and the draft's cost have changed. The draft's cost is only taken from a drafting step
-    that follows one within the same request: the first also reads the prompt or the tokens since the last
-    draft into the draft model's cache.
+    whether acceptance and the draft's cost have changed; each probe that ends in plain steps again doubles the
+    wait (up to MAX_PROBE_AFTER), since a probe's first step makes the draft model read the whole context it
+    missed (the prompt too: on a CPU where drafting never pays, probing every 16 steps cost 40% more time per
+    prompt token). The draft's cost is only taken from a drafting step that follows one within the same
+    request: the first also reads the prompt or the tokens since the last draft into the draft model's cache.
     Which gamma runs never changes the output, only the speed.
     """
 
     PROBE_AFTER = 16
+    MAX_PROBE_AFTER = 1024
     decay: float = 0.9
     forward: dict[int, float] = field(default_factory=dict)  # width -> seconds
     draft: float | None = None  # seconds per drafted token
@@ -43,6 +46,7 @@ class CostModel:
     rejected: float = 1.0
     plain_steps: int = 0  # plain steps in a row chosen by `best_gamma`
     probing: int = 0  # probe steps still to run
+    probe_after: int = PROBE_AFTER  # plain steps in a row before the next probe
     drafted_last: bool = False  # whether this request's previous step drafted
 
     def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
@@ -77,8 +81,11 @@ class CostModel:
 
         best = max(range(maximum + 1), key=tokens_per_second)
         self.plain_steps = self.plain_steps + 1 if best == 0 else 0
-        if self.plain_steps > self.PROBE_AFTER:
+        if best:
+            self.probe_after = self.PROBE_AFTER
+        if self.plain_steps > self.probe_after:
             self.plain_steps, self.probing = 0, 2
+            self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
         if self.probing and best == 0:
             self.probing -= 1
             return 1
