@@ -322,6 +322,19 @@ def test_caches_after_rejections_equal_a_fresh_forward(tiny_pair):
     assert drafter.cached[0] == ids[:len(drafter.cached[0])]
 
 
+def test_plain_steps_leave_the_draft_model_alone_and_the_next_draft_catches_up(tiny_pair):
+    target, draft = tiny_pair
+    params = SamplingParams()
+    drafter = ModelDrafter(draft.model, 64, 256)
+    context = [5, 9, 13, 5, 9, 1, 2, 3] * 4  # 32 tokens: longer than a shared feed
+    assert drafter.propose(context, 0, params, None).tokens == []
+    assert drafter.cached[0] == []  # no forward of the draft model for a plain step
+    fresh = ModelDrafter(draft.model, 64, 256)
+    later = context + [7, 7]
+    assert drafter.propose(later, 3, params, None).tokens == fresh.propose(later, 3, params, None).tokens
+    assert drafter.cached[0][:34] == context + [7, 7]
+
+
 def test_bad_requests_get_clear_errors(tiny_pair):
     target, _ = tiny_pair
     gen = SpeculativeGenerator(target.model, NgramDrafter(), target.tokenizer, max_context=64)

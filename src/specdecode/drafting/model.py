@@ -44,8 +44,11 @@ class ModelDrafter(Drafter):
         self.cached[row] = []
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        # a plain step (gamma 0) reads nothing: the row's next draft catches up on what it skipped, so a draft
+        # model that an adaptive draft length rarely asks costs nothing in between (not even the prompt)
+        drafting = [r for r in requests if r.gamma > 0]
         feeds: dict[int, list[int]] = {}  # row -> tokens not yet in its cache (at least the last context token)
-        for r in requests:
+        for r in drafting:
             feed = r.context[self._rollback_to_common_prefix(r.row, r.context):]
             if len(feed) > MAX_SHARED_FEED:  # a new prompt: prefill it alone, leave the last token to the batch
                 self._forward([r.row], [feed[:-1]], logits=False)
@@ -53,7 +56,7 @@ class ModelDrafter(Drafter):
             feeds[r.row] = feed
         tokens: dict[int, list[int]] = {r.row: [] for r in requests}
         qs: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests}
-        live = [r for r in requests if r.gamma > 0]
+        live = drafting
         while live := [r for r in live if len(self.cached[r.row]) + len(feeds[r.row]) < self.max_len]:
             logits = self._forward([r.row for r in live], [feeds[r.row] for r in live])  # [B', V_target]
             still = []
