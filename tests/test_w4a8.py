@@ -111,12 +111,14 @@ def test_int4_kernel_sums_super_blocks_in_integers_exactly(ext):
         pytest.skip("this build takes the per-block VNNI arithmetic for int4")
     weight = torch.full((8, 512), -1.0)
     weight[1] = 1.0
-    weight[2, ::2] = -1.0
-    weight[3, :256] = 1e-3  # a small block scale beside a large one: a small sub-scale
+    weight[2, ::2] = 1.0  # alternating signs
+    weight[3, 32:64] = 1e-2  # in the super-block of -1 blocks: a small sub-scale beside large ones
+    weight[4, 0] = 1e-3  # a near-zero weight among -1s: q = 0 beside the -8s
     x = torch.full((3, 512), 1.0)
     x[1] = -1.0
     x[2, ::3] = -1.0
     weights = w4a8.quantize_weight(weight)
+    assert weights.sub[3, 0] == 127 and 0 < abs(int(weights.sub[3, 1])) <= 2
     got = ext.w4a8_mm(x, *weights)
     assert torch.equal(got, reference(ext, x, weights))
     exact = x @ w4a8.dequantize(weights, 512).T
