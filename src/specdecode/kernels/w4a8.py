@@ -168,10 +168,12 @@ def reference_mm(x: torch.Tensor, weights: Weights, lanes: int = 8, rows_per_chu
     Output rows are computed `rows_per_chunk` at a time to bound the integer products' memory."""
     _check_width(x, weights.packed)
     super_blocks = isinstance(weights, Int4Weights) and lanes == 8
+    Kp = _padded(weights.packed)
+    activations = reference_quantize_activations(x, Kp, SUPER if super_blocks else BLOCK)  # once for all rows
     out = []
     for rows in range(0, weights.packed.shape[0], rows_per_chunk):
         part = type(weights)(*(t[rows:rows + rows_per_chunk] for t in weights))
-        acc = (_super_block_lanes if super_blocks else _block_lanes)(x, part, lanes)
+        acc = (_super_block_lanes if super_blocks else _block_lanes)(*activations, part, lanes)
         total = acc[..., 0]
         for i in range(1, lanes):
             total = total + acc[..., i]
@@ -179,11 +181,11 @@ def reference_mm(x: torch.Tensor, weights: Weights, lanes: int = 8, rows_per_chu
     return torch.cat(out, dim=1)
 
 
-def _block_lanes(x: torch.Tensor, weights: Weights, lanes: int) -> torch.Tensor:
-    """The per-block arithmetic's float lanes [k, n, lanes] after the last pair."""
-    k, n, Kp = x.shape[0], weights.packed.shape[0], _padded(weights.packed)
+def _block_lanes(q: torch.Tensor, ascale: torch.Tensor, weights: Weights, lanes: int) -> torch.Tensor:
+    """The per-block arithmetic's float lanes [k, n, lanes] after the last pair, for activations q [k, Kp] with
+    a scale per block of 32."""
+    k, n, Kp = q.shape[0], weights.packed.shape[0], _padded(weights.packed)
     pairs = Kp // PAIR
-    q, ascale = reference_quantize_activations(x, Kp)
     qa = q.view(k, pairs, PAIR)[..., ELEMENT_OF].to(torch.int32).view(k, 1, pairs, 16, 4)
     block_of_lane = torch.arange(lanes) % 2
     a_s = ascale.view(k, 1, pairs, 2)[..., block_of_lane]  # [k, 1, pairs, lanes]
@@ -197,11 +199,11 @@ def _block_lanes(x: torch.Tensor, weights: Weights, lanes: int) -> torch.Tensor:
     return acc
 
 
-def _super_block_lanes(x: torch.Tensor, weights: Int4Weights, lanes: int) -> torch.Tensor:
-    """The super-block arithmetic's 8 float lanes [k, n, 8] after the last super-block."""
-    k, n, Kp = x.shape[0], weights.packed.shape[0], _padded(weights.packed)
+def _super_block_lanes(q: torch.Tensor, ascale: torch.Tensor, weights: Int4Weights, lanes: int) -> torch.Tensor:
+    """The super-block arithmetic's 8 float lanes [k, n, 8] after the last super-block, for activations q [k, Kp]
+    with a scale per super-block (ascale [k, S])."""
+    k, n, Kp = q.shape[0], weights.packed.shape[0], _padded(weights.packed)
     pairs, S = Kp // PAIR, _super_blocks(Kp)
-    q, ascale = reference_quantize_activations(x, Kp, SUPER)  # ascale [k, S]
     qa = (q.view(k, pairs, PAIR)[..., ELEMENT_OF].to(torch.int32) + 128).view(k, 1, pairs, 16, 4)
     qw = _registers(weights.packed).to(torch.int32).view(1, n, pairs, 16, 4) - 8
     lanes16 = (qw * qa).sum(-1)  # [k, n, pairs, 16]
