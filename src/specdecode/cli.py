@@ -152,7 +152,8 @@ def _bench(args: argparse.Namespace) -> int:
         summary = report(args.out)
     else:
         summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype, quant=args.quant,
-                            gamma=args.gamma, draft_vocab=args.draft_vocab, questions_path=args.questions, categories=args.categories,
+                            gamma=args.gamma, draft_vocab=args.draft_vocab, questions_path=args.questions,
+                            categories=args.categories,
                             per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, repeats=args.repeats, out=args.out,
                             bit_exact=args.bit_exact, coupling=args.coupling)

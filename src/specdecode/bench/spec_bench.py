@@ -148,6 +148,7 @@ def summarize(rows: list[dict]) -> dict:
     for m, cats in by.items():
         rs = everything[m]
         drafted = _sum_lists(r.get("drafted_by_position", []) for r in rs)
+        draft_seconds = sum(r.get("draft_seconds", 0.0) for r in rs)
         accepted = _sum_lists(r.get("accepted_by_position", []) for r in rs)
         methods[m] = {
             "categories": {c: {"speedup": _speed(x) / _speed(by[REFERENCE][c]), "tokens_per_second": _speed(x)}
@@ -158,11 +159,10 @@ def summarize(rows: list[dict]) -> dict:
             "mean_accepted_tokens": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forward_passes"] for r in rs)),
             "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
             "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
-            "draft_time_share": sum(r.get("draft_seconds", 0.0) for r in rs) / max(1e-9, sum(r["seconds"] for r in rs)),
+            "draft_time_share": draft_seconds / max(1e-9, sum(r["seconds"] for r in rs)),
             "ms_per_prompt_token_and_new_token": time_split(rs),
             # the draft's seconds (its catch-up prefills included) per token it proposed
-            "draft_ms_per_drafted_token": 1e3 * sum(r.get("draft_seconds", 0.0) for r in rs) / sum(drafted)
-            if sum(drafted) else None,
+            "draft_ms_per_drafted_token": 1e3 * draft_seconds / sum(drafted) if sum(drafted) else None,
             "baseline": own_baseline(m),
             "mismatches": [[r["question_id"], r["mismatch_at"]] for r in rs if r.get("mismatch_at") is not None],
             "differs_from_plain": sum(r.get("differs_from_plain_at") is not None for r in rs),

@@ -257,8 +257,9 @@ void row_chunk8(const Row& row, int64_t npairs, const Chunk& c, float* out, int6
       const PairRecord& r = rec[t];
       const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q));
       const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + 32));
-      const __m256i lanes = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(q0, w0)), ones),
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(q1, w1)), ones));
+      const __m256i lanes =
+          _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(q0, w0)), ones),
+                           _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(q1, w1)), ones));
       std::memcpy(&two_scales, r.scale, sizeof two_scales);
       const __m256 d = _mm256_mul_ps(wsv, _mm256_castpd_ps(_mm256_set1_pd(two_scales)));
       acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), d));
@@ -300,7 +301,8 @@ void row_chunk(const Row& row, int64_t npairs, const Chunk& c, float* out, int64
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.w + p * 32));
       const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(packed, mask), eight);  // positions 0..31, q_w
       const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), eight);  // 32..63
-      const __m256i scp = _mm256_shuffle_epi8(sc, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSubOfPair[p - p0])));
+      const __m256i scp =
+          _mm256_shuffle_epi8(sc, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSubOfPair[p - p0])));
       const uint8_t* a = c.act + p * kMaxChunk * kPair;
       for (int t = 0; t < T; ++t, a += kPair) {
         const __m256i prod = _mm256_add_epi16(
@@ -358,8 +360,10 @@ void row_chunk(const Row& row, int64_t npairs, const Chunk& c, float* out, int64
         const uint8_t* a = c.act + (p * kMaxChunk + t) * kPair;
         for (int l = 0; l < 8; ++l) {
           int32_t sum = 0;
-          for (int j = 4 * l; j < 4 * l + 4; ++j)
-            sum += (weight_at(row.w + p * 32, j, 4) - 8) * a[j] + (weight_at(row.w + p * 32, j + 32, 4) - 8) * a[j + 32];
+          for (int j = 4 * l; j < 4 * l + 4; ++j) {
+            const uint8_t* w = row.w + p * 32;
+            sum += (weight_at(w, j, 4) - 8) * a[j] + (weight_at(w, j + 32, 4) - 8) * a[j + 32];
+          }
           lane[l] += row.sub[2 * p + l % 2] * sum;
         }
       }

@@ -80,8 +80,8 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     if model is None:
         if cache:
             print(f"specdecode: first load of {path.name} as {str(torch_dtype).removeprefix('torch.')}/{settings}: "
-                  f"dequantizing and packing (one to two minutes for the 1.5B on 2 cores), then cached in {cache.folder}", file=sys.stderr,
-                  flush=True)
+                  f"dequantizing and packing (one to two minutes for the 1.5B on 2 cores), then cached in "
+                  f"{cache.folder}", file=sys.stderr, flush=True)
         cfg, state = load_gguf(path, dtype=torch_dtype) if is_gguf else load_hf_folder(path)
         try:
             model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
