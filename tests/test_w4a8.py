@@ -184,8 +184,10 @@ def test_bad_shapes_give_clear_errors(ext):
     packed, scale, d, sub, corr = weights
     with pytest.raises(RuntimeError, match="does not fit"):
         ext.w4a8_mm(torch.randn(2, 200), *weights)
-    with pytest.raises(RuntimeError, match="float32"):
-        ext.w4a8_mm(torch.randn(2, 64).to(torch.bfloat16), *weights)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ext.w4a8_mm(torch.randn(2, 64).to(torch.float16), *weights)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ext.w4a8_mm(torch.randn(2, 64), *weights, torch.zeros(7))
     with pytest.raises(RuntimeError, match=r"wscale must be"):
         ext.w4a8_mm(torch.randn(2, 64), packed, scale.flatten(), d, sub, corr)
     with pytest.raises(RuntimeError, match=r"super-block scales must be"):
@@ -205,5 +207,11 @@ def test_the_layer_casts_and_adds_its_bias(ext):
     y = layer(x[:3].to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (3, 40)
     weights = w4a8.quantize_weight(weight.to(torch.bfloat16))
-    want = (ext.w4a8_mm(x[:3].to(torch.bfloat16).float(), *weights).to(torch.bfloat16) + bias.to(torch.bfloat16))
-    assert torch.equal(y, want)
+    # bfloat16 inputs as their float32 values; the bias added to the float32 sum; one rounding to bfloat16
+    want = (ext.w4a8_mm(x[:3].to(torch.bfloat16).float(), *weights) + bias.to(torch.bfloat16).float())
+    assert torch.equal(y, want.to(torch.bfloat16))
+    assert torch.equal(y, (w4a8.reference_mm(x[:3].to(torch.bfloat16).float(), weights)
+                           + bias.to(torch.bfloat16).float()).to(torch.bfloat16))  # what the fallback computes
+    int8 = W8A8Linear.quantize(weight.to(torch.bfloat16), bias.to(torch.bfloat16))
+    want = ext.w8a8_mm(x[:3].to(torch.bfloat16).float(), *int8.weights) + bias.to(torch.bfloat16).float()
+    assert torch.equal(int8(x[:3].to(torch.bfloat16)), want.to(torch.bfloat16))

@@ -121,12 +121,14 @@ float quantize_span(const float* x, int64_t n, int8_t* q) {
 #endif
 }
 
-// x: [k, K] -> q: [k, Kp] int8 and scale: [k, ceil(Kp / span)], in spans of `span` inputs (the last may be shorter)
-void quantize_spans(const float* x, int64_t k, int64_t K, int64_t Kp, int64_t span, int8_t* q, float* scale) {
+// x: [k, K] float32 or bfloat16 -> q: [k, Kp] int8 and scale: [k, ceil(Kp / span)], in spans of `span` inputs
+// (the last may be shorter)
+template <typename T>
+void quantize_spans(const T* x, int64_t k, int64_t K, int64_t Kp, int64_t span, int8_t* q, float* scale) {
   const int64_t ns = (Kp + span - 1) / span;
   std::vector<float> row(Kp, 0.f);  // zeros beyond the row's end
   for (int64_t t = 0; t < k; ++t) {
-    std::memcpy(row.data(), x + t * K, K * sizeof(float));
+    for (int64_t i = 0; i < K; ++i) row[i] = static_cast<float>(x[t * K + i]);  // exact from bfloat16
     for (int64_t s = 0; s < ns; ++s)
       scale[t * ns + s] = quantize_span(row.data() + s * span, std::min(span, Kp - s * span), q + t * Kp + s * span);
   }
@@ -395,7 +397,10 @@ Activations quantize(const torch::Tensor& x, int64_t Kp, bool super) {
   const int64_t record_bytes = super ? kPair : static_cast<int64_t>(sizeof(PairRecord));
   Activations a{torch::zeros({k, Kp}, torch::kInt8), torch::empty({k, (Kp + span - 1) / span}, torch::kFloat32),
                 torch::empty({chunks * kMaxChunk * (Kp / kPair), record_bytes}, torch::kUInt8)};
-  quantize_spans(x.data_ptr<float>(), k, x.size(1), Kp, span, a.q.data_ptr<int8_t>(), a.scale.data_ptr<float>());
+  if (x.scalar_type() == torch::kFloat32)
+    quantize_spans(x.data_ptr<float>(), k, x.size(1), Kp, span, a.q.data_ptr<int8_t>(), a.scale.data_ptr<float>());
+  else
+    quantize_spans(x.data_ptr<at::BFloat16>(), k, x.size(1), Kp, span, a.q.data_ptr<int8_t>(), a.scale.data_ptr<float>());
   if (super) {
     super_records(a.q.data_ptr<int8_t>(), k, Kp, a.records.data_ptr<uint8_t>());
   } else {
@@ -408,9 +413,23 @@ Activations quantize(const torch::Tensor& x, int64_t Kp, bool super) {
   return a;
 }
 
+void check_inputs(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be [k, K] float32 or bfloat16");
+}
+
+// the matmul's float32 result [k, N] plus the bias, then cast to dtype (default float32): one rounding
+torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, c10::optional<at::ScalarType> dtype) {
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out.size(1) && bias->device().is_cpu(), "bias must be [N]");
+    out.add_(*bias);
+  }
+  return out.to(dtype.value_or(torch::kFloat32));
+}
+
 void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& wscale, int bits) {
   const auto dtype = bits == 4 ? torch::kUInt8 : torch::kInt8;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [k, K] float32");
+  check_inputs(x);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && wscale.device().is_cpu(),
               "the W4A8 kernel runs on the CPU");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == dtype && packed.is_contiguous(),
@@ -457,17 +476,17 @@ torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, 
 
 // x: [k, K] float32 -> (q [k, Kp] int8, scale [k, ceil(Kp / span)] float32), in spans of 32 or 256 inputs
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp, int64_t span) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [k, K] float32");
+  check_inputs(x);
   TORCH_CHECK(Kp % kPair == 0 && Kp >= x.size(1), "Kp must be a multiple of 64 and >= K");
   TORCH_CHECK(span == kBlock || span == kSuper * kPair, "span must be 32 or 256");
   const Activations a = quantize(x.contiguous(), Kp, span != kBlock);
   return {a.q, a.scale};
 }
 
-// x: [k, K] float32; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc); d: [N, S] float32;
-// sub: [N, 8 S] int8; corr: [N, S] int32 (S = ceil(Kp / 256)) -> [k, N] float32
+// x: [k, K] float32 or bfloat16; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc); d: [N, S]
+// float32; sub: [N, 8 S] int8; corr: [N, S] int32 (S = ceil(Kp / 256)); bias: [N] or None -> [k, N] in dtype
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, torch::Tensor d, torch::Tensor sub,
-                      torch::Tensor corr) {
+                      torch::Tensor corr, c10::optional<torch::Tensor> bias, c10::optional<at::ScalarType> dtype) {
   check_weights(x, packed, wscale, 4);
   const int64_t N = packed.size(0), Kp = packed.size(1) * 2, S = (Kp / kPair + kSuper - 1) / kSuper;
   TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.sizes() == torch::IntArrayRef({N, S}) &&
@@ -480,19 +499,22 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   const float *ws = wscale.data_ptr<float>(), *dp = d.data_ptr<float>();
   const int8_t* sp = sub.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
-  return matmul(x, N, Kp, kSuperPath, kChunks, [&](int64_t n) {
+  return finish(matmul(x, N, Kp, kSuperPath, kChunks, [&](int64_t n) {
     return Row{w + n * Kp / 2, ws + n * (Kp / kBlock), dp + n * S, sp + n * 2 * kSuper * S, cp + n * S};
-  });
+  }), bias, dtype);
 }
 
-// x: [k, K] float32; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32 -> [k, N] float32
-torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale) {
+// x: [k, K] float32 or bfloat16; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32; bias: [N] or None -> [k, N]
+// in dtype
+torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, c10::optional<torch::Tensor> bias,
+                      c10::optional<at::ScalarType> dtype) {
   check_weights(x, packed, wscale, 8);
   const int64_t N = packed.size(0), Kp = packed.size(1);
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   const float* ws = wscale.data_ptr<float>();
-  return matmul(x, N, Kp, false, kChunks8,
-                [&](int64_t n) { return Row{w + n * Kp, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; });
+  return finish(matmul(x, N, Kp, false, kChunks8,
+                       [&](int64_t n) { return Row{w + n * Kp, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; }),
+                bias, dtype);
 }
 
 std::string simd_path() { return kPath; }
@@ -501,8 +523,12 @@ std::string simd_path() { return kPath; }
 int64_t lanes(int64_t bits) { return bits == 4 ? kLanes4 : 8; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("w4a8_mm", &w4a8_mm, "int4 weights x int8 activations, [k, K] x [N, K]^T -> [k, N]");
-  m.def("w8a8_mm", &w8a8_mm, "int8 weights x int8 activations, [k, K] x [N, K]^T -> [k, N]");
+  m.def("w4a8_mm", &w4a8_mm, "int4 weights x int8 activations, [k, K] x [N, K]^T (+ bias) -> [k, N] in dtype",
+        py::arg("x"), py::arg("packed"), py::arg("wscale"), py::arg("d"), py::arg("sub"), py::arg("corr"),
+        py::arg("bias") = py::none(), py::arg("dtype") = py::none());
+  m.def("w8a8_mm", &w8a8_mm, "int8 weights x int8 activations, [k, K] x [N, K]^T (+ bias) -> [k, N] in dtype",
+        py::arg("x"), py::arg("packed"), py::arg("wscale"), py::arg("bias") = py::none(),
+        py::arg("dtype") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 per token in spans of 32 or 256 inputs");
   m.def("simd_path", &simd_path, "which instruction set the kernel was built for");
   m.def("lanes", &lanes, "how many float lanes each output sums, for 4- or 8-bit weights (16: the per-block "

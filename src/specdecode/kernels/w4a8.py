@@ -229,10 +229,12 @@ def _check_width(x: torch.Tensor, packed: torch.Tensor) -> None:
         raise ValueError(f"inputs of width {x.shape[1]} do not fit weights packed for width {Kp}")
 
 
-def w4a8_mm(x: torch.Tensor, weights: Weights) -> torch.Tensor:
-    """x [k, K] (any float dtype) times the packed int4 or int8 weights -> [k, N] float32."""
+def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [k, K] float32 or bfloat16 times the packed int4 or int8 weights, plus bias [N], -> [k, N] in dtype: the
+    float32 sum rounded once. The kernel takes the cast and the bias too, so a layer is one call from Python."""
     ext = extension()
-    x = x.float().contiguous()
     if ext is None:
-        return reference_mm(x, weights)
-    return (ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm)(x, *weights)
+        y = reference_mm(x.float(), weights)
+        return (y if bias is None else y + bias.float()).to(dtype)
+    return (ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm)(x, *weights, bias, dtype)

@@ -1,7 +1,8 @@
 """The runtime's linear layers: one interface, so quantized kernels replace the dense one without the model knowing.
 
 The model code only calls `layer(x)`; which kernel runs is decided when the weights are loaded
-(`make_linear`). Subclasses only implement `_matmul(rows) -> [n, out]`; the base adds the bias.
+(`make_linear`). Subclasses implement `_matmul(rows) -> [n, out]`; the base adds the bias (our W4A8 kernel
+takes the bias and the cast itself, so its layers skip the base's extra ops).
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class W4A8Linear(Linear):
 
     @property
     def weights(self) -> w4a8.Weights:
-        return self.Weights(*(getattr(self, name) for name in self.Weights._fields))
+        return self.Weights(*(self._buffers[name] for name in self.Weights._fields))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "W4A8Linear":
@@ -254,7 +255,11 @@ class W4A8Linear(Linear):
         return w4a8.dequantize(self.weights, self.in_features)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return w4a8.w4a8_mm(rows, self.weights).to(rows.dtype)
+        return w4a8.w4a8_mm(rows, self.weights, dtype=rows.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the bias and the cast in the kernel's call: one call per layer
+        y = w4a8.w4a8_mm(x.reshape(-1, x.shape[-1]), self.weights, self.bias, x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 class W8A8Linear(W4A8Linear):
