@@ -443,35 +443,37 @@ inline void rope(const T* x, const float* cos, const float* sin, float* out, int
   }
 }
 
-// C = head_dim / 8 vectors per head vector; the steps of the AVX-512 attention, 8 keys at a time
+// C = head_dim / 8 vectors per head vector; the arithmetic of the AVX-512 attention, 8 keys at a time. One task
+// per (sequence, kv head): it writes its new keys and values, then attends. Keys and values are widened to float
+// a tile at a time into buffers that stay in L1 while every query row of the group uses them (so the cache is
+// read once per task, not once per query row); each row's sums still run over the keys in cache order, its
+// partial sums parked between tiles, so the result is the same whatever the tile size.
 template <typename T, int C>
 void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, const int64_t* rows,
                const int64_t* slots, const bool* mask, T* out, int64_t B, int64_t Tn, int64_t H, int64_t KVH,
                int64_t cap, int64_t K) {
   constexpr int64_t hd = C * kW;
+  constexpr int64_t kTile = 32 * 128 / hd;  // values per tile: 16 KB of floats
   const int64_t width = (H + 2 * KVH) * hd, G = H / KVH, R = G * Tn;
-  at::parallel_for(0, B * Tn * KVH, 1, [&](int64_t begin, int64_t end) {
-    alignas(32) float kf[hd];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / (Tn * KVH), t = (i / KVH) % Tn, h = i % KVH, bt = b * Tn + t;
-      const T* src = qkv + bt * width + (H + h) * hd;
-      const int64_t dst = ((rows[b] * KVH + h) * cap + slots[bt]) * hd;
-      rope(src, cos + bt * hd, sin + bt * hd, kf, hd, 1.0f);
-      for (int c = 0; c < C; ++c) {
-        store8(kc + dst + c * kW, _mm256_load_ps(kf + c * kW));
-        store8(vc + dst + c * kW, load8(src + KVH * hd + c * kW));
-      }
-    }
-  });
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> q, s, kf, vf, m;  // as in the AVX-512 section: grown, never cleared
+    thread_local std::vector<float> q, s, m, acc, denom;  // as in the AVX-512 section: grown, never cleared
     thread_local std::vector<char> any;
-    q.resize(R * hd); s.resize(R * K); kf.resize((K + kW) * hd); vf.resize(K * hd); m.resize(R); any.resize(K);
+    q.resize(R * hd); s.resize(R * K); m.resize(R); acc.resize(R * hd); denom.resize(R); any.resize(K);
+    alignas(32) float kb[kW * hd], vt[kTile * hd];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
-      const T* keys = kc + (rows[b] * KVH + kvh) * cap * hd;
-      const T* vals = vc + (rows[b] * KVH + kvh) * cap * hd;
+      T* keys = kc + (rows[b] * KVH + kvh) * cap * hd;
+      T* vals = vc + (rows[b] * KVH + kvh) * cap * hd;
+      for (int64_t t = 0; t < Tn; ++t) {  // this head's new keys (rotated, rounded to the cache dtype) and values
+        const int64_t bt = b * Tn + t;
+        const T* src = qkv + bt * width + (H + kvh) * hd;
+        rope(src, cos + bt * hd, sin + bt * hd, kb, hd, 1.0f);
+        for (int c = 0; c < C; ++c) {
+          store8(keys + slots[bt] * hd + c * kW, _mm256_load_ps(kb + c * kW));
+          store8(vals + slots[bt] * hd + c * kW, load8(src + KVH * hd + c * kW));
+        }
+      }
       const bool* vis = mask + b * Tn * K;
       for (int64_t r = 0; r < R; ++r) {
         const int64_t g = r / Tn, t = r % Tn, bt = b * Tn + t;
@@ -482,13 +484,8 @@ void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, c
         bool seen = false;
         for (int64_t t = 0; t < Tn; ++t) seen |= vis[t * K + j];
         any[j] = seen;
-        if (!seen) continue;
-        for (int c = 0; c < C; ++c) {
-          _mm256_storeu_ps(kf.data() + j * hd + c * kW, load8(keys + j * hd + c * kW));
-          _mm256_storeu_ps(vf.data() + j * hd + c * kW, load8(vals + j * hd + c * kW));
-        }
       }
-      for (int64_t j0 = 0; j0 < K; j0 += kW) {
+      for (int64_t j0 = 0; j0 < K; j0 += kW) {  // scores, 8 keys at a time
         const int64_t n = std::min<int64_t>(kW, K - j0);
         bool some = false;
         for (int64_t l = 0; l < n; ++l) some |= any[j0 + l];
@@ -496,15 +493,18 @@ void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, c
           for (int64_t r = 0; r < R; ++r) std::fill_n(s.data() + r * K + j0, n, kNegInf);
           continue;
         }
-        const float* kb = kf.data() + j0 * hd;
+        for (int64_t l = 0; l < kW; ++l)  // unseen keys (and lanes beyond n) are zeros: their lanes become -inf
+          for (int c = 0; c < C; ++c)
+            _mm256_store_ps(kb + l * hd + c * kW, l < n && any[j0 + l] ? load8(keys + (j0 + l) * hd + c * kW)
+                                                                      : _mm256_setzero_ps());
         for (int64_t r = 0; r < R; ++r) {
           const float* qr = q.data() + r * hd;
           __m256 dots[kW];
           for (int l = 0; l < kW; ++l) {  // q from L1 in the loop: C may exceed the 16 registers
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kb + l * hd));
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_load_ps(kb + l * hd));
             for (int c = 1; c < C; ++c)
-              acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c * kW), _mm256_loadu_ps(kb + l * hd + c * kW), acc);
-            dots[l] = acc;
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c * kW), _mm256_load_ps(kb + l * hd + c * kW), a);
+            dots[l] = a;
           }
           const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), lane_sums(dots),
                                             visible8(vis + (r % Tn) * K + j0, n));
@@ -512,24 +512,41 @@ void attention(const T* qkv, const float* cos, const float* sin, T* kc, T* vc, c
           m[r] = std::max(m[r], reduce_max8(v));  // lanes beyond n hold -inf
         }
       }
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < R; ++r) {  // p_j = exp(s_j - m)
         float* sr = s.data() + r * K;
-        const bool* vr = vis + (r % Tn) * K;
         const __m256 mr = _mm256_set1_ps(m[r]);
         for (int64_t j = 0; j < K; j += kW) store8(sr + j, exp8(_mm256_sub_ps(load8(sr + j, K - j), mr)), K - j);
-        __m256 acc[C];
-        for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-        float denom = 0.0f;
-        for (int64_t j = 0; j < K; ++j) {
-          if (!vr[j]) continue;
-          denom += sr[j];
-          const __m256 p = _mm256_set1_ps(sr[j]);
-          for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vf.data() + j * hd + c * kW), acc[c]);
+        std::fill_n(acc.data() + r * hd, hd, 0.0f);
+        denom[r] = 0.0f;
+      }
+      for (int64_t j0 = 0; j0 < K; j0 += kTile) {  // sum_j p_j v_j and sum_j p_j, a tile of values at a time
+        const int64_t j1 = std::min(K, j0 + kTile);
+        for (int64_t j = j0; j < j1; ++j)
+          if (any[j])
+            for (int c = 0; c < C; ++c) _mm256_store_ps(vt + (j - j0) * hd + c * kW, load8(vals + j * hd + c * kW));
+        for (int64_t r = 0; r < R; ++r) {
+          const float* sr = s.data() + r * K;
+          const bool* vr = vis + (r % Tn) * K;
+          float* ar = acc.data() + r * hd;
+          __m256 a[C];
+          for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(ar + c * kW);
+          float d = denom[r];
+          for (int64_t j = j0; j < j1; ++j) {
+            if (!vr[j]) continue;
+            d += sr[j];
+            const __m256 p = _mm256_set1_ps(sr[j]);
+            for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(p, _mm256_load_ps(vt + (j - j0) * hd + c * kW), a[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm256_storeu_ps(ar + c * kW, a[c]);
+          denom[r] = d;
         }
-        const __m256 dn = _mm256_set1_ps(denom);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256 dn = _mm256_set1_ps(denom[r]);
         const int64_t g = r / Tn, t = r % Tn;
         T* o = out + (b * Tn + t) * H * hd + (kvh * G + g) * hd;
-        for (int c = 0; c < C; ++c) store8(o + c * kW, _mm256_div_ps(acc[c], dn));
+        const float* ar = acc.data() + r * hd;
+        for (int c = 0; c < C; ++c) store8(o + c * kW, _mm256_div_ps(_mm256_loadu_ps(ar + c * kW), dn));
       }
     }
   });
