@@ -418,14 +418,36 @@ void check_inputs(const torch::Tensor& x) {
               "x must be [k, K] float32 or bfloat16");
 }
 
-// the matmul's float32 result [k, N] plus the bias, then cast to dtype (default float32): one rounding
-torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, c10::optional<at::ScalarType> dtype) {
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out.size(1) && bias->device().is_cpu(), "bias must be [N]");
-    out.add_(*bias);
+// Where a block of outputs goes: the float32 sums plus the bias (as float32), rounded once to the output's dtype
+struct Output {
+  torch::Tensor tensor;  // [k, N] float32 or bfloat16
+  torch::Tensor bias;  // [N] float32, or undefined
+
+  Output(int64_t k, int64_t N, const c10::optional<torch::Tensor>& b, c10::optional<at::ScalarType> dtype)
+      : tensor(torch::empty({k, N}, torch::TensorOptions().dtype(dtype.value_or(torch::kFloat32)))) {
+    TORCH_CHECK(tensor.scalar_type() == torch::kFloat32 || tensor.scalar_type() == torch::kBFloat16,
+                "dtype must be float32 or bfloat16");
+    if (b.has_value()) {
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == N && b->device().is_cpu(), "bias must be [N]");
+      bias = b->to(torch::kFloat32).contiguous();
+    }
   }
-  return out.to(dtype.value_or(torch::kFloat32));
-}
+
+  // sums [T][kRowBlock] of rows n0..n1 - 1 for tokens t0..t0 + T - 1
+  void store(const float* sums, int64_t T, int64_t t0, int64_t n0, int64_t n1) {
+    if (tensor.scalar_type() == torch::kFloat32) store_as(tensor.data_ptr<float>(), sums, T, t0, n0, n1);
+    else store_as(tensor.data_ptr<at::BFloat16>(), sums, T, t0, n0, n1);
+  }
+
+  template <typename T_>
+  void store_as(T_* out, const float* sums, int64_t T, int64_t t0, int64_t n0, int64_t n1) {
+    const int64_t N = tensor.size(1);
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = n0; n < n1; ++n)
+        out[(t0 + t) * N + n] = static_cast<T_>(b ? sums[t * kRowBlock + n - n0] + b[n] : sums[t * kRowBlock + n - n0]);
+  }
+};
 
 void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& wscale, int bits) {
   const auto dtype = bits == 4 ? torch::kUInt8 : torch::kInt8;
@@ -443,11 +465,10 @@ void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const to
 
 // x: [k, K] float32 times the weights of `row(n)` -> [k, N] float32
 template <typename RowOf>
-torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, const RowFn* chunks, RowOf row_of) {
+torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, const RowFn* chunks, RowOf row_of,
+                     Output out) {
   const Activations act = quantize(x.contiguous(), Kp, super);
   const int64_t k = x.size(0), npairs = Kp / kPair, nsuper = (npairs + kSuper - 1) / kSuper;
-  auto out = torch::empty({k, N}, torch::kFloat32);
-  float* o = out.data_ptr<float>();
   const uint8_t* records = act.records.data_ptr<uint8_t>();
   const int64_t chunk_bytes = kMaxChunk * npairs * act.records.size(1);
   // the super path's activation scales per chunk: [super-blocks][kMaxChunk]
@@ -465,11 +486,13 @@ torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, 
         const uint8_t* r = records + t0 / kMaxChunk * chunk_bytes;
         const Chunk c{reinterpret_cast<const PairRecord*>(r), r,
                       super ? ascale.data() + t0 / kMaxChunk * nsuper * kMaxChunk : nullptr};
-        for (int64_t n = n0; n < n1; ++n) chunks[T](row_of(n), npairs, c, o + t0 * N + n, N);
+        float sums[kMaxChunk * kRowBlock];
+        for (int64_t n = n0; n < n1; ++n) chunks[T](row_of(n), npairs, c, sums + n - n0, kRowBlock);
+        out.store(sums, T, t0, n0, n1);
       }
     }
   });
-  return out;
+  return out.tensor;
 }
 
 }  // namespace
@@ -499,9 +522,9 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   const float *ws = wscale.data_ptr<float>(), *dp = d.data_ptr<float>();
   const int8_t* sp = sub.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
-  return finish(matmul(x, N, Kp, kSuperPath, kChunks, [&](int64_t n) {
+  return matmul(x, N, Kp, kSuperPath, kChunks, [&](int64_t n) {
     return Row{w + n * Kp / 2, ws + n * (Kp / kBlock), dp + n * S, sp + n * 2 * kSuper * S, cp + n * S};
-  }), bias, dtype);
+  }, Output(x.size(0), N, bias, dtype));
 }
 
 // x: [k, K] float32 or bfloat16; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32; bias: [N] or None -> [k, N]
@@ -512,9 +535,9 @@ torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   const int64_t N = packed.size(0), Kp = packed.size(1);
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   const float* ws = wscale.data_ptr<float>();
-  return finish(matmul(x, N, Kp, false, kChunks8,
-                       [&](int64_t n) { return Row{w + n * Kp, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; }),
-                bias, dtype);
+  return matmul(x, N, Kp, false, kChunks8,
+                [&](int64_t n) { return Row{w + n * Kp, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; },
+                Output(x.size(0), N, bias, dtype));
 }
 
 std::string simd_path() { return kPath; }
