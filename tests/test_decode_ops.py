@@ -170,6 +170,8 @@ def test_decode_ops_refuse_bad_input():
     with pytest.raises(RuntimeError, match="slot out of range"):
         bad = dict(case, slots=case["slots"] + 1000)
         run_ops(bad)
+    with pytest.raises(RuntimeError, match="two sequences in one cache row"):
+        run_ops(dict(case, rows=torch.tensor([2, 2])))
     with pytest.raises(RuntimeError, match="width"):
         decode_ops.rope_attention(case["qkv"], case["cos"], case["sin"], case["k_cache"], case["v_cache"],
                                   case["rows"], case["slots"], case["mask"], 5, 2)

@@ -200,18 +200,21 @@ def test_bad_shapes_give_clear_errors(ext):
         ext.quantize_activations(torch.randn(2, 64), 64, 64)
 
 
-def test_the_layer_casts_and_adds_its_bias(ext):
+def test_the_layer_casts_and_adds_its_bias(ext, monkeypatch):
     weight, x = _case(40, 96)
-    bias = torch.randn(40)
-    layer = W4A8Linear.quantize(weight.to(torch.bfloat16), bias.to(torch.bfloat16))
-    y = layer(x[:3].to(torch.bfloat16))
+    xb, bias = x[:3].to(torch.bfloat16), torch.randn(40).to(torch.bfloat16)
+    layer = W4A8Linear.quantize(weight.to(torch.bfloat16), bias)
+    y = layer(xb)
     assert y.dtype == torch.bfloat16 and y.shape == (3, 40)
     weights = w4a8.quantize_weight(weight.to(torch.bfloat16))
     # bfloat16 inputs as their float32 values; the bias added to the float32 sum; one rounding to bfloat16
-    want = (ext.w4a8_mm(x[:3].to(torch.bfloat16).float(), *weights) + bias.to(torch.bfloat16).float())
-    assert torch.equal(y, want.to(torch.bfloat16))
-    assert torch.equal(y, (w4a8.reference_mm(x[:3].to(torch.bfloat16).float(), weights)
-                           + bias.to(torch.bfloat16).float()).to(torch.bfloat16))  # what the fallback computes
-    int8 = W8A8Linear.quantize(weight.to(torch.bfloat16), bias.to(torch.bfloat16))
-    want = ext.w8a8_mm(x[:3].to(torch.bfloat16).float(), *int8.weights) + bias.to(torch.bfloat16).float()
-    assert torch.equal(int8(x[:3].to(torch.bfloat16)), want.to(torch.bfloat16))
+    assert torch.equal(y, (mm(ext, xb.float(), weights) + bias.float()).to(torch.bfloat16))
+    assert torch.equal(y, (reference(ext, xb.float(), weights) + bias.float()).to(torch.bfloat16))
+    int8 = W8A8Linear.quantize(weight.to(torch.bfloat16), bias)
+    assert torch.equal(int8(xb), (mm(ext, xb.float(), int8.weights) + bias.float()).to(torch.bfloat16))
+    # dtypes the kernel does not take go through float32 (xb is exact in float16)
+    assert torch.equal(layer(xb.half()), (mm(ext, xb.float(), weights) + bias.float()).half())
+    monkeypatch.setattr(w4a8, "extension", lambda *flags: None)  # no compiler: the reference, same arithmetic
+    want = w4a8.reference_mm(xb.float(), weights) + bias.float()
+    assert torch.equal(layer(xb), want.to(torch.bfloat16))
+    assert torch.equal(layer(xb.half()), want.half())

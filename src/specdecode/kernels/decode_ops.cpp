@@ -625,6 +625,8 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(r[b] >= 0 && r[b] < k_cache.size(0), "cache row out of range");
+    for (int64_t other = 0; other < b; ++other)  // one task writes and reads a row's cache: no two sequences share it
+      TORCH_CHECK(r[other] != r[b], "two sequences in one cache row");
     for (int64_t t = 0; t < Tn; ++t) TORCH_CHECK(sl[b * Tn + t] >= 0 && sl[b * Tn + t] < cap, "slot out of range");
   }
   auto out = torch::empty({B, Tn, H * hd}, qkv.options());

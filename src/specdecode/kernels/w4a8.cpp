@@ -19,8 +19,9 @@
 //     lane[l] = sum over its pairs of sc(block) * sum of its products (u - 8) * (q + 128), and lane[0] -= corr[s]
 //               (corr[s] = 128 * sum of sc * the block's sum of q_w: what the + 128 added; exact int32)
 //     acc[l] += float(lane[l]) * (D[s] * A[s])                                             (mul, then add)
-// out = acc[0] + acc[1] + ... + acc[L - 1], left to right. Each output is the same sequence of float operations
-// whatever k is, so the kernel is bit-exact across k by construction. Built with -ffp-contract=off: a fused
+// out = acc[0] + acc[1] + ... + acc[L - 1], left to right, then + bias (if any), then rounded once to the output
+// dtype (float32 or bfloat16; bfloat16 inputs are widened exactly). Each output is the same sequence of float
+// operations whatever k is, so the kernel is bit-exact across k by construction. Built with -ffp-contract=off: a fused
 // multiply-add would round differently.
 //
 // W8A8 (w8a8_mm, a w4a8 target's lm_head): blocks of 32 with a float32 scale each, the pairs and register order
@@ -397,10 +398,11 @@ Activations quantize(const torch::Tensor& x, int64_t Kp, bool super) {
   const int64_t record_bytes = super ? kPair : static_cast<int64_t>(sizeof(PairRecord));
   Activations a{torch::zeros({k, Kp}, torch::kInt8), torch::empty({k, (Kp + span - 1) / span}, torch::kFloat32),
                 torch::empty({chunks * kMaxChunk * (Kp / kPair), record_bytes}, torch::kUInt8)};
+  int8_t* q = a.q.data_ptr<int8_t>();
   if (x.scalar_type() == torch::kFloat32)
-    quantize_spans(x.data_ptr<float>(), k, x.size(1), Kp, span, a.q.data_ptr<int8_t>(), a.scale.data_ptr<float>());
+    quantize_spans(x.data_ptr<float>(), k, x.size(1), Kp, span, q, a.scale.data_ptr<float>());
   else
-    quantize_spans(x.data_ptr<at::BFloat16>(), k, x.size(1), Kp, span, a.q.data_ptr<int8_t>(), a.scale.data_ptr<float>());
+    quantize_spans(x.data_ptr<at::BFloat16>(), k, x.size(1), Kp, span, q, a.scale.data_ptr<float>());
   if (super) {
     super_records(a.q.data_ptr<int8_t>(), k, Kp, a.records.data_ptr<uint8_t>());
   } else {
@@ -463,7 +465,7 @@ void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const to
               "wscale must be contiguous [N, Kp / 32] float32");
 }
 
-// x: [k, K] float32 times the weights of `row(n)` -> [k, N] float32
+// x: [k, K] float32 or bfloat16 times the weights of `row(n)` -> `out` ([k, N], its dtype, plus its bias)
 template <typename RowOf>
 torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, const RowFn* chunks, RowOf row_of,
                      Output out) {
@@ -497,7 +499,8 @@ torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, 
 
 }  // namespace
 
-// x: [k, K] float32 -> (q [k, Kp] int8, scale [k, ceil(Kp / span)] float32), in spans of 32 or 256 inputs
+// x: [k, K] float32 or bfloat16 -> (q [k, Kp] int8, scale [k, ceil(Kp / span)] float32), in spans of 32 or 256
+// inputs
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp, int64_t span) {
   check_inputs(x);
   TORCH_CHECK(Kp % kPair == 0 && Kp >= x.size(1), "Kp must be a multiple of 64 and >= K");

@@ -33,6 +33,7 @@ BLOCK = 32  # inputs per weight scale (and per activation scale on the per-block
 PAIR = 64  # two blocks: the unit the kernel packs and multiplies
 SUPER = 256  # inputs per super-block: one float scale D, and an int8 sub-scale per block of 32
 SOURCE = Path(__file__).with_name("w4a8.cpp")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes; others go through float32
 # register position j of a pair holds element ELEMENT_OF[j]: lane j // 4 holds block (j // 4) % 2 (see w4a8.cpp)
 ELEMENT_OF = torch.tensor([(j // 4 % 2) * BLOCK + (j // 8) * 4 + j % 4 for j in range(PAIR)])
 POSITION_OF = torch.argsort(ELEMENT_OF)  # the inverse
@@ -231,10 +232,13 @@ def _check_width(x: torch.Tensor, packed: torch.Tensor) -> None:
 
 def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """x [k, K] float32 or bfloat16 times the packed int4 or int8 weights, plus bias [N], -> [k, N] in dtype: the
-    float32 sum rounded once. The kernel takes the cast and the bias too, so a layer is one call from Python."""
+    """x [k, K] times the packed int4 or int8 weights, plus bias [N], -> [k, N] in dtype: the float32 sum rounded
+    once. The kernel takes float32 or bfloat16 in and out, and the bias, so a layer is one call from Python."""
     ext = extension()
-    if ext is None:
-        y = reference_mm(x.float(), weights)
+    if ext is None or dtype not in KERNEL_DTYPES or x.dtype not in KERNEL_DTYPES:
+        if ext is None:
+            y = reference_mm(x.float(), weights)
+        else:  # e.g. float16: the kernel's float32 result, cast here
+            y = (ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm)(x.float(), *weights)
         return (y if bias is None else y + bias.float()).to(dtype)
     return (ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm)(x, *weights, bias, dtype)
