@@ -218,3 +218,24 @@ def test_the_layer_casts_and_adds_its_bias(ext, monkeypatch):
     want = w4a8.reference_mm(xb.float(), weights) + bias.float()
     assert torch.equal(layer(xb), want.to(torch.bfloat16))
     assert torch.equal(layer(xb.half()), want.half())
+
+
+def test_the_block_scales_are_kept_only_where_the_kernel_reads_them(ext):
+    weight, x = _case(40, 200)
+    full = w4a8.quantize_weight(weight)
+    compact = full._replace(scale=full.scale[:, :0])
+    super_path = ext.lanes(4) == 8
+    layer = W4A8Linear.quantize(weight)
+    assert layer.scale.shape == ((40, 0) if super_path else full.scale.shape)  # 0.125 bytes per weight less
+    assert torch.equal(compact.block_scales(), full.scale)  # computed again: the same float products d * sub
+    assert torch.equal(layer.dequantized(), w4a8.dequantize(full, 200))
+    assert torch.equal(layer._matmul(x), mm(ext, x, full))
+    assert torch.equal(w4a8.reference_mm(x, compact, 16), w4a8.reference_mm(x, full, 16))
+    if super_path:
+        assert torch.equal(mm(ext, x, compact), mm(ext, x, full))
+    else:  # the per-block arithmetic reads them
+        with pytest.raises(RuntimeError, match="wscale must be"):
+            mm(ext, x, compact)
+    # a layer restored from weights packed for the other path gets what this kernel reads
+    restored = W4A8Linear(full if super_path else compact, 200, None, torch.float32)
+    assert restored.scale.shape == layer.scale.shape and torch.equal(restored._matmul(x), layer._matmul(x))

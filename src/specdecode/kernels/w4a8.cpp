@@ -460,9 +460,11 @@ void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const to
               "packed must be contiguous [N, Kp * ", bits, " / 8] ", bits == 4 ? "uint8" : "int8");
   const int64_t K = x.size(1), Kp = packed.size(1) * 8 / bits;
   TORCH_CHECK(Kp % kPair == 0 && Kp >= K && Kp - K < kPair, "packed width ", Kp, " does not fit inputs of ", K);
+  // int4 weights on the super-block path do not read the block scales: they may be left out ([N, 0])
+  const bool optional = bits == 4 && kSuperPath;
   TORCH_CHECK(wscale.dim() == 2 && wscale.scalar_type() == torch::kFloat32 && wscale.is_contiguous() &&
-              wscale.size(0) == packed.size(0) && wscale.size(1) == Kp / kBlock,
-              "wscale must be contiguous [N, Kp / 32] float32");
+              wscale.size(0) == packed.size(0) && (wscale.size(1) == Kp / kBlock || optional && wscale.size(1) == 0),
+              "wscale must be contiguous [N, Kp / 32] float32", optional ? " (or [N, 0]: not read here)" : "");
 }
 
 // x: [k, K] float32 or bfloat16 times the weights of `row(n)` -> `out` ([k, N], its dtype, plus its bias)
@@ -509,8 +511,9 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp, int
   return {a.q, a.scale};
 }
 
-// x: [k, K] float32 or bfloat16; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc); d: [N, S]
-// float32; sub: [N, 8 S] int8; corr: [N, S] int32 (S = ceil(Kp / 256)); bias: [N] or None -> [k, N] in dtype
+// x: [k, K] float32 or bfloat16; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc; [N, 0] on the
+// super-block path, which does not read it); d: [N, S] float32; sub: [N, 8 S] int8; corr: [N, S] int32
+// (S = ceil(Kp / 256)); bias: [N] or None -> [k, N] in dtype
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, torch::Tensor d, torch::Tensor sub,
                       torch::Tensor corr, c10::optional<torch::Tensor> bias, c10::optional<at::ScalarType> dtype) {
   check_weights(x, packed, wscale, 4);
@@ -523,10 +526,11 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
               S);
   const auto* w = packed.data_ptr<uint8_t>();
   const float *ws = wscale.data_ptr<float>(), *dp = d.data_ptr<float>();
+  const int64_t wstride = wscale.size(1);  // 0 where the block scales are left out
   const int8_t* sp = sub.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   return matmul(x, N, Kp, kSuperPath, kChunks, [&](int64_t n) {
-    return Row{w + n * Kp / 2, ws + n * (Kp / kBlock), dp + n * S, sp + n * 2 * kSuper * S, cp + n * S};
+    return Row{w + n * Kp / 2, ws + n * wstride, dp + n * S, sp + n * 2 * kSuper * S, cp + n * S};
   }, Output(x.size(0), N, bias, dtype));
 }
 

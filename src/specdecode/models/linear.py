@@ -239,6 +239,8 @@ class W4A8Linear(Linear):
     def __init__(self, weights: w4a8.Weights, in_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__(weights.packed.shape[0], in_features, bias, dtype)
+        if isinstance(weights, w4a8.Int4Weights):  # the float block scales only where this CPU's kernel reads them
+            weights = w4a8.for_this_kernel(weights)
         for name, tensor in weights._asdict().items():  # see w4a8.Int4Weights / Int8Weights
             self.register_buffer(name, tensor)
         self.register_buffer("width", torch.tensor(in_features))  # the padding hides it: kept to rebuild the layer
