@@ -404,13 +404,13 @@ Activations quantize(const torch::Tensor& x, int64_t Kp, bool super) {
   else
     quantize_spans(x.data_ptr<at::BFloat16>(), k, x.size(1), Kp, span, q, a.scale.data_ptr<float>());
   if (super) {
-    super_records(a.q.data_ptr<int8_t>(), k, Kp, a.records.data_ptr<uint8_t>());
+    super_records(q, k, Kp, a.records.data_ptr<uint8_t>());
   } else {
     auto* records = reinterpret_cast<PairRecord*>(a.records.data_ptr<uint8_t>());
 #ifdef SPECDECODE_VNNI
     TORCH_CHECK(reinterpret_cast<uintptr_t>(records) % 64 == 0, "unaligned activation buffer");  // aligned loads
 #endif
-    pair_records(a.q.data_ptr<int8_t>(), a.scale.data_ptr<float>(), k, Kp, records);
+    pair_records(q, a.scale.data_ptr<float>(), k, Kp, records);
   }
   return a;
 }

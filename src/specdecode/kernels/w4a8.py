@@ -60,6 +60,9 @@ class Int8Weights(NamedTuple):
     packed: torch.Tensor  # [N, Kp] int8 in register order
     scale: torch.Tensor  # [N, Kp / 32] float32
 
+    def block_scales(self) -> torch.Tensor:
+        return self.scale
+
 
 Weights = Union[Int4Weights, Int8Weights]
 
@@ -105,7 +108,7 @@ def quantize_weight(weight: torch.Tensor) -> Int4Weights:
     """
     N, K = weight.shape
     Kp = padded_width(K)
-    nb, S = Kp // BLOCK, _super_blocks(Kp)
+    S = _super_blocks(Kp)
     w = torch.nn.functional.pad(weight.float(), (0, S * SUPER - K)).view(N, S, 8, BLOCK)
     extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True)).squeeze(-1)  # [N, S, 8], signed
     ideal = extreme / -8
@@ -128,10 +131,9 @@ def quantize_weight(weight: torch.Tensor) -> Int4Weights:
     q = best_q.view(N, -1)[:, :Kp]
     u = (q + 8).to(torch.uint8).view(N, -1, PAIR)[..., ELEMENT_OF]  # [N, pairs, 64] in register order
     packed = (u[..., :32] | (u[..., 32:] << 4)).reshape(N, -1).contiguous()
-    sub = best_sub.view(N, -1)
-    scale = (d.unsqueeze(-1) * best_sub).view(N, -1)[:, :nb]
-    return Int4Weights(packed, scale.contiguous(), d.contiguous(), sub.to(torch.int8).contiguous(),
-                       corr.to(torch.int32).contiguous())
+    sub = best_sub.view(N, -1).to(torch.int8).contiguous()
+    weights = Int4Weights(packed, d.new_empty(N, 0), d.contiguous(), sub, corr.to(torch.int32).contiguous())
+    return weights._replace(scale=weights.block_scales())
 
 
 def quantize_weight8(weight: torch.Tensor) -> Int8Weights:
@@ -168,8 +170,7 @@ def dequantize(weights: Weights, in_features: int) -> torch.Tensor:
     """int4 or int8 packed weights -> [N, in_features] float32."""
     packed = weights.packed
     q = unpack(packed).float().view(packed.shape[0], -1, BLOCK) - _offset(packed)
-    scale = weights.block_scales() if isinstance(weights, Int4Weights) else weights.scale
-    return (q * scale.unsqueeze(-1)).reshape(packed.shape[0], -1)[:, :in_features]
+    return (q * weights.block_scales().unsqueeze(-1)).reshape(packed.shape[0], -1)[:, :in_features]
 
 
 def reference_quantize_activations(x: torch.Tensor, padded: int, span: int = BLOCK
@@ -216,8 +217,7 @@ def _block_lanes(q: torch.Tensor, ascale: torch.Tensor, weights: Weights, lanes:
     u = _registers(weights.packed).to(torch.int32).view(1, n, pairs, 16, 4)
     lanes16 = (u * qa).sum(-1) - _offset(weights.packed) * qa.sum(-1)  # [k, n, pairs, 16], exact integers
     lane = (lanes16 if lanes == 16 else lanes16[..., :8] + lanes16[..., 8:]).float()  # 8: positions j, j + 32
-    scale = weights.block_scales() if isinstance(weights, Int4Weights) else weights.scale
-    ws = scale.view(1, n, pairs, 2)[..., block_of_lane]  # [1, n, pairs, lanes]
+    ws = weights.block_scales().view(1, n, pairs, 2)[..., block_of_lane]  # [1, n, pairs, lanes]
     acc = torch.zeros(k, n, lanes, dtype=torch.float32)
     for p in range(pairs):
         acc = acc + lane[:, :, p] * (ws[:, :, p] * a_s[:, :, p])
@@ -259,10 +259,10 @@ def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
     """x [k, K] times the packed int4 or int8 weights, plus bias [N], -> [k, N] in dtype: the float32 sum rounded
     once. The kernel takes float32 or bfloat16 in and out, and the bias, so a layer is one call from Python."""
     ext = extension()
-    if ext is None or dtype not in KERNEL_DTYPES or x.dtype not in KERNEL_DTYPES:
-        if ext is None:
-            y = reference_mm(x.float(), weights)
-        else:  # e.g. float16: the kernel's float32 result, cast here
-            y = (ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm)(x.float(), *weights)
+    if ext is None:
+        y = reference_mm(x.float(), weights)
         return (y if bias is None else y + bias.float()).to(dtype)
-    return (ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm)(x, *weights, bias, dtype)
+    kernel = ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm
+    if x.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES:
+        return kernel(x, *weights, bias, dtype)
+    return kernel(x.float(), *weights, bias).to(dtype)  # e.g. float16: the float32 sum plus bias, cast here

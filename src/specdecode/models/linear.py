@@ -259,7 +259,7 @@ class W4A8Linear(Linear):
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return w4a8.w4a8_mm(rows, self.weights, dtype=rows.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the bias and the cast in the kernel's call: one call per layer
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the bias and the cast in the kernel: one call per layer
         y = w4a8.w4a8_mm(x.reshape(-1, x.shape[-1]), self.weights, self.bias, x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
