@@ -212,12 +212,18 @@ def test_the_layer_casts_and_adds_its_bias(ext, monkeypatch):
     assert torch.equal(y, (reference(ext, xb.float(), weights) + bias.float()).to(torch.bfloat16))
     int8 = W8A8Linear.quantize(weight.to(torch.bfloat16), bias)
     assert torch.equal(int8(xb), (mm(ext, xb.float(), int8.weights) + bias.float()).to(torch.bfloat16))
+    # any leading shape, as the layer's input comes ([B, T, K]); a bfloat16 bias into a float32 output
+    x3 = torch.cat([x[:6], x[6:12].flip(0)]).view(2, 6, 96)
+    assert torch.equal(ext.w4a8_mm(x3, *weights, bias, torch.float32),
+                       (mm(ext, x3.view(12, 96), weights) + bias.float()).view(2, 6, 40))
+    assert layer(x3.to(torch.bfloat16)).shape == (2, 6, 40)
     # dtypes the kernel does not take go through float32 (xb is exact in float16)
     assert torch.equal(layer(xb.half()), (mm(ext, xb.float(), weights) + bias.float()).half())
     monkeypatch.setattr(w4a8, "extension", lambda *flags: None)  # no compiler: the reference, same arithmetic
     want = w4a8.reference_mm(xb.float(), weights) + bias.float()
     assert torch.equal(layer(xb), want.to(torch.bfloat16))
     assert torch.equal(layer(xb.half()), want.half())
+    assert torch.equal(layer(xb.view(3, 1, 96)), want.to(torch.bfloat16).view(3, 1, 40))
 
 
 def test_the_block_scales_are_kept_only_where_the_kernel_reads_them(ext):

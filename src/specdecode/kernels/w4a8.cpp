@@ -123,15 +123,14 @@ float quantize_span(const float* x, int64_t n, int8_t* q) {
 }
 
 // x: [k, K] float32 or bfloat16 -> q: [k, Kp] int8 and scale: [k, ceil(Kp / span)], in spans of `span` inputs
-// (the last may be shorter)
+// (the last may be shorter); row: Kp floats of scratch, zero beyond K
 template <typename T>
-void quantize_spans(const T* x, int64_t k, int64_t K, int64_t Kp, int64_t span, int8_t* q, float* scale) {
+void quantize_spans(const T* x, int64_t k, int64_t K, int64_t Kp, int64_t span, int8_t* q, float* scale, float* row) {
   const int64_t ns = (Kp + span - 1) / span;
-  std::vector<float> row(Kp, 0.f);  // zeros beyond the row's end
   for (int64_t t = 0; t < k; ++t) {
     for (int64_t i = 0; i < K; ++i) row[i] = static_cast<float>(x[t * K + i]);  // exact from bfloat16
     for (int64_t s = 0; s < ns; ++s)
-      scale[t * ns + s] = quantize_span(row.data() + s * span, std::min(span, Kp - s * span), q + t * Kp + s * span);
+      scale[t * ns + s] = quantize_span(row + s * span, std::min(span, Kp - s * span), q + t * Kp + s * span);
   }
 }
 
@@ -388,66 +387,87 @@ const RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1>, row_chunk8<2>, ro
 // whether int4 weights take the super-block arithmetic in this build
 constexpr bool kSuperPath = kLanes4 == 8;
 
-// The activations of one matmul, as its arithmetic reads them
+// The activations of one matmul, as its arithmetic reads them: scratch reused by the calling thread's next call (a
+// decode step makes about a hundred small calls, where allocating tensors would cost as much as the arithmetic)
 struct Activations {
-  torch::Tensor q, scale, records;
+  std::vector<int8_t> q;  // [k, Kp]
+  std::vector<float> scale;  // [k, ceil(Kp / span)]
+  std::vector<uint8_t> super;  // the super path's records: q + 128 (see super_records)
+  std::vector<PairRecord> pairs;  // the per-block path's records (see pair_records)
+  std::vector<float> row;  // one token's inputs as float32, zero-padded to Kp
 };
 
-Activations quantize(const torch::Tensor& x, int64_t Kp, bool super) {
-  const int64_t k = x.size(0), chunks = (k + kMaxChunk - 1) / kMaxChunk, span = super ? kSuper * kPair : kBlock;
-  const int64_t record_bytes = super ? kPair : static_cast<int64_t>(sizeof(PairRecord));
-  Activations a{torch::zeros({k, Kp}, torch::kInt8), torch::empty({k, (Kp + span - 1) / span}, torch::kFloat32),
-                torch::empty({chunks * kMaxChunk * (Kp / kPair), record_bytes}, torch::kUInt8)};
-  int8_t* q = a.q.data_ptr<int8_t>();
+// x: [k, K] (contiguous) -> this thread's scratch, filled
+const Activations& quantize(const torch::Tensor& x, int64_t k, int64_t Kp, bool super) {
+  thread_local Activations a;
+  const int64_t chunks = (k + kMaxChunk - 1) / kMaxChunk, span = super ? kSuper * kPair : kBlock;
+  const int64_t records = chunks * kMaxChunk * (Kp / kPair);
+  a.q.resize(k * Kp);
+  a.scale.resize(k * ((Kp + span - 1) / span));
+  a.row.assign(Kp, 0.f);
   if (x.scalar_type() == torch::kFloat32)
-    quantize_spans(x.data_ptr<float>(), k, x.size(1), Kp, span, q, a.scale.data_ptr<float>());
+    quantize_spans(x.data_ptr<float>(), k, x.size(-1), Kp, span, a.q.data(), a.scale.data(), a.row.data());
   else
-    quantize_spans(x.data_ptr<at::BFloat16>(), k, x.size(1), Kp, span, q, a.scale.data_ptr<float>());
+    quantize_spans(x.data_ptr<at::BFloat16>(), k, x.size(-1), Kp, span, a.q.data(), a.scale.data(), a.row.data());
   if (super) {
-    super_records(q, k, Kp, a.records.data_ptr<uint8_t>());
+    a.super.resize(records * kPair);
+    super_records(a.q.data(), k, Kp, a.super.data());
   } else {
-    auto* records = reinterpret_cast<PairRecord*>(a.records.data_ptr<uint8_t>());
-#ifdef SPECDECODE_VNNI
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(records) % 64 == 0, "unaligned activation buffer");  // aligned loads
-#endif
-    pair_records(q, a.scale.data_ptr<float>(), k, Kp, records);
+    a.pairs.resize(records);  // PairRecord is 64-byte aligned on the VNNI path: its aligned loads
+    pair_records(a.q.data(), a.scale.data(), k, Kp, a.pairs.data());
   }
   return a;
 }
 
 void check_inputs(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
-              "x must be [k, K] float32 or bfloat16");
+  TORCH_CHECK(x.dim() >= 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be [..., k, K] float32 or bfloat16");
 }
 
-// Where a block of outputs goes: the float32 sums plus the bias (as float32), rounded once to the output's dtype
+// Where a block of outputs goes: the float32 sums plus the bias (its float32 value), rounded once to the output's dtype
 struct Output {
-  torch::Tensor tensor;  // [k, N] float32 or bfloat16
-  torch::Tensor bias;  // [N] float32, or undefined
+  torch::Tensor tensor;  // [..., k, N] float32 or bfloat16: x's shape with N for K
+  torch::Tensor bias;  // [N] float32 or bfloat16 (read as float32: exact), or undefined
 
-  Output(int64_t k, int64_t N, const c10::optional<torch::Tensor>& b, c10::optional<at::ScalarType> dtype)
-      : tensor(torch::empty({k, N}, torch::TensorOptions().dtype(dtype.value_or(torch::kFloat32)))) {
+  Output(const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& b, c10::optional<at::ScalarType> dtype)
+      : tensor(torch::empty(out_shape(x, N), torch::TensorOptions().dtype(dtype.value_or(torch::kFloat32)))) {
     TORCH_CHECK(tensor.scalar_type() == torch::kFloat32 || tensor.scalar_type() == torch::kBFloat16,
                 "dtype must be float32 or bfloat16");
     if (b.has_value()) {
       TORCH_CHECK(b->dim() == 1 && b->size(0) == N && b->device().is_cpu(), "bias must be [N]");
-      bias = b->to(torch::kFloat32).contiguous();
+      const bool kept = b->scalar_type() == torch::kFloat32 || b->scalar_type() == torch::kBFloat16;
+      bias = (kept ? *b : b->to(torch::kFloat32)).contiguous();
     }
+  }
+
+  static std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    return shape;
   }
 
   // sums [T][kRowBlock] of rows n0..n1 - 1 for tokens t0..t0 + T - 1
   void store(const float* sums, int64_t T, int64_t t0, int64_t n0, int64_t n1) {
-    if (tensor.scalar_type() == torch::kFloat32) store_as(tensor.data_ptr<float>(), sums, T, t0, n0, n1);
-    else store_as(tensor.data_ptr<at::BFloat16>(), sums, T, t0, n0, n1);
+    const bool f32 = tensor.scalar_type() == torch::kFloat32;
+    if (!bias.defined() || bias.scalar_type() == torch::kFloat32) {
+      const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+      if (f32) store_as(tensor.data_ptr<float>(), b, sums, T, t0, n0, n1);
+      else store_as(tensor.data_ptr<at::BFloat16>(), b, sums, T, t0, n0, n1);
+    } else {
+      const at::BFloat16* b = bias.data_ptr<at::BFloat16>();
+      if (f32) store_as(tensor.data_ptr<float>(), b, sums, T, t0, n0, n1);
+      else store_as(tensor.data_ptr<at::BFloat16>(), b, sums, T, t0, n0, n1);
+    }
   }
 
-  template <typename T_>
-  void store_as(T_* out, const float* sums, int64_t T, int64_t t0, int64_t n0, int64_t n1) {
-    const int64_t N = tensor.size(1);
-    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  template <typename Out, typename Bias>
+  void store_as(Out* out, const Bias* b, const float* sums, int64_t T, int64_t t0, int64_t n0, int64_t n1) {
+    const int64_t N = tensor.size(-1);
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t n = n0; n < n1; ++n)
-        out[(t0 + t) * N + n] = static_cast<T_>(b ? sums[t * kRowBlock + n - n0] + b[n] : sums[t * kRowBlock + n - n0]);
+      for (int64_t n = n0; n < n1; ++n) {
+        const float sum = sums[t * kRowBlock + n - n0];
+        out[(t0 + t) * N + n] = static_cast<Out>(b ? sum + static_cast<float>(b[n]) : sum);
+      }
   }
 };
 
@@ -458,7 +478,7 @@ void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const to
               "the W4A8 kernel runs on the CPU");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == dtype && packed.is_contiguous(),
               "packed must be contiguous [N, Kp * ", bits, " / 8] ", bits == 4 ? "uint8" : "int8");
-  const int64_t K = x.size(1), Kp = packed.size(1) * 8 / bits;
+  const int64_t K = x.size(-1), Kp = packed.size(1) * 8 / bits;
   TORCH_CHECK(Kp % kPair == 0 && Kp >= K && Kp - K < kPair, "packed width ", Kp, " does not fit inputs of ", K);
   // int4 weights on the super-block path do not read the block scales: they may be left out ([N, 0])
   const bool optional = bits == 4 && kSuperPath;
@@ -467,19 +487,22 @@ void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const to
               "wscale must be contiguous [N, Kp / 32] float32", optional ? " (or [N, 0]: not read here)" : "");
 }
 
-// x: [k, K] float32 or bfloat16 times the weights of `row(n)` -> `out` ([k, N], its dtype, plus its bias)
+// x: [..., k, K] float32 or bfloat16 (its rows: every row of every leading index) times the weights of `row(n)` ->
+// `out` ([..., k, N], its dtype, plus its bias)
 template <typename RowOf>
 torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, const RowFn* chunks, RowOf row_of,
                      Output out) {
-  const Activations act = quantize(x.contiguous(), Kp, super);
-  const int64_t k = x.size(0), npairs = Kp / kPair, nsuper = (npairs + kSuper - 1) / kSuper;
-  const uint8_t* records = act.records.data_ptr<uint8_t>();
-  const int64_t chunk_bytes = kMaxChunk * npairs * act.records.size(1);
+  const int64_t k = x.size(-1) ? x.numel() / x.size(-1) : 0, npairs = Kp / kPair, nsuper = (npairs + kSuper - 1) / kSuper;
+  const Activations& act = quantize(x.contiguous(), k, Kp, super);
+  const uint8_t* records = super ? act.super.data() : reinterpret_cast<const uint8_t*>(act.pairs.data());
+  const int64_t chunk_bytes = kMaxChunk * npairs * (super ? kPair : static_cast<int64_t>(sizeof(PairRecord)));
   // the super path's activation scales per chunk: [super-blocks][kMaxChunk]
-  std::vector<float> ascale(super ? (k + kMaxChunk - 1) / kMaxChunk * nsuper * kMaxChunk : 0, 0.f);
+  thread_local std::vector<float> scratch;  // (the workers below see their own thread_local: they get `ascale`)
+  scratch.assign(super ? (k + kMaxChunk - 1) / kMaxChunk * nsuper * kMaxChunk : 0, 0.f);
+  float* ascale = scratch.data();
   for (int64_t t = 0; super && t < k; ++t)
     for (int64_t s = 0; s < nsuper; ++s)
-      ascale[(t / kMaxChunk * nsuper + s) * kMaxChunk + t % kMaxChunk] = act.scale.data_ptr<float>()[t * nsuper + s];
+      ascale[(t / kMaxChunk * nsuper + s) * kMaxChunk + t % kMaxChunk] = act.scale[t * nsuper + s];
   // blocks of kRowBlock weight rows (kept in L2) times chunks of kMaxChunk tokens (their records in L1): a long
   // prefill reads each token's records once per block, not once per weight row
   at::parallel_for(0, N, kRowBlock, [&](int64_t begin, int64_t end) {
@@ -489,7 +512,7 @@ torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, 
         const int64_t T = std::min<int64_t>(kMaxChunk, k - t0);
         const uint8_t* r = records + t0 / kMaxChunk * chunk_bytes;
         const Chunk c{reinterpret_cast<const PairRecord*>(r), r,
-                      super ? ascale.data() + t0 / kMaxChunk * nsuper * kMaxChunk : nullptr};
+                      super ? ascale + t0 / kMaxChunk * nsuper * kMaxChunk : nullptr};
         float sums[kMaxChunk * kRowBlock];
         for (int64_t n = n0; n < n1; ++n) chunks[T](row_of(n), npairs, c, sums + n - n0, kRowBlock);
         out.store(sums, T, t0, n0, n1);
@@ -505,15 +528,19 @@ torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, 
 // inputs
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp, int64_t span) {
   check_inputs(x);
-  TORCH_CHECK(Kp % kPair == 0 && Kp >= x.size(1), "Kp must be a multiple of 64 and >= K");
+  TORCH_CHECK(x.dim() == 2 && Kp % kPair == 0 && Kp >= x.size(1), "x must be [k, K]; Kp a multiple of 64 and >= K");
   TORCH_CHECK(span == kBlock || span == kSuper * kPair, "span must be 32 or 256");
-  const Activations a = quantize(x.contiguous(), Kp, span != kBlock);
-  return {a.q, a.scale};
+  const int64_t k = x.size(0);
+  const Activations& a = quantize(x.contiguous(), k, Kp, span != kBlock);
+  torch::Tensor q = torch::empty({k, Kp}, torch::kInt8), scale = torch::empty({k, (Kp + span - 1) / span});
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), q.numel());
+  std::memcpy(scale.data_ptr<float>(), a.scale.data(), scale.numel() * sizeof(float));
+  return {q, scale};
 }
 
-// x: [k, K] float32 or bfloat16; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc; [N, 0] on the
+// x: [..., k, K] float32 or bfloat16; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc; [N, 0] on the
 // super-block path, which does not read it); d: [N, S] float32; sub: [N, 8 S] int8; corr: [N, S] int32
-// (S = ceil(Kp / 256)); bias: [N] or None -> [k, N] in dtype
+// (S = ceil(Kp / 256)); bias: [N] or None -> [..., k, N] in dtype
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, torch::Tensor d, torch::Tensor sub,
                       torch::Tensor corr, c10::optional<torch::Tensor> bias, c10::optional<at::ScalarType> dtype) {
   check_weights(x, packed, wscale, 4);
@@ -531,11 +558,11 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   const int32_t* cp = corr.data_ptr<int32_t>();
   return matmul(x, N, Kp, kSuperPath, kChunks, [&](int64_t n) {
     return Row{w + n * Kp / 2, ws + n * wstride, dp + n * S, sp + n * 2 * kSuper * S, cp + n * S};
-  }, Output(x.size(0), N, bias, dtype));
+  }, Output(x, N, bias, dtype));
 }
 
-// x: [k, K] float32 or bfloat16; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32; bias: [N] or None -> [k, N]
-// in dtype
+// x: [..., k, K] float32 or bfloat16; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32; bias: [N] or None ->
+// [..., k, N] in dtype
 torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, c10::optional<torch::Tensor> bias,
                       c10::optional<at::ScalarType> dtype) {
   check_weights(x, packed, wscale, 8);
@@ -544,7 +571,7 @@ torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   const float* ws = wscale.data_ptr<float>();
   return matmul(x, N, Kp, false, kChunks8,
                 [&](int64_t n) { return Row{w + n * Kp, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; },
-                Output(x.size(0), N, bias, dtype));
+                Output(x, N, bias, dtype));
 }
 
 std::string simd_path() { return kPath; }

@@ -256,12 +256,13 @@ def _check_width(x: torch.Tensor, packed: torch.Tensor) -> None:
 
 def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """x [k, K] times the packed int4 or int8 weights, plus bias [N], -> [k, N] in dtype: the float32 sum rounded
-    once. The kernel takes float32 or bfloat16 in and out, and the bias, so a layer is one call from Python."""
+    """x [..., K] times the packed int4 or int8 weights, plus bias [N], -> [..., N] in dtype: the float32 sum rounded
+    once. The kernel takes float32 or bfloat16 in and out, the bias and any leading shape, so a layer is one call
+    from Python."""
     ext = extension()
     if ext is None:
-        y = reference_mm(x.float(), weights)
-        return (y if bias is None else y + bias.float()).to(dtype)
+        y = reference_mm(x.reshape(-1, x.shape[-1]).float(), weights)
+        return (y if bias is None else y + bias.float()).to(dtype).view(*x.shape[:-1], -1)
     kernel = ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm
     if x.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES:
         return kernel(x, *weights, bias, dtype)

@@ -259,9 +259,8 @@ class W4A8Linear(Linear):
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return w4a8.w4a8_mm(rows, self.weights, dtype=rows.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the bias and the cast in the kernel: one call per layer
-        y = w4a8.w4a8_mm(x.reshape(-1, x.shape[-1]), self.weights, self.bias, x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the shape, bias and cast in the kernel: one call per layer
+        return w4a8.w4a8_mm(x, self.weights, self.bias, x.dtype)
 
 
 class W8A8Linear(W4A8Linear):
