@@ -74,6 +74,15 @@ def test_each_row_is_what_it_is_alone(ext, N, K, layer):
     assert invariant_rows(layer.quantize(weight), 9, 4) == 4
 
 
+@pytest.mark.parametrize("bits", PACKERS)
+def test_a_long_prefill_equals_small_calls(ext, bits):
+    """Over a megabyte of activations the kernel allocates them per call instead of reusing its scratch: same rows."""
+    weight, _ = _case(24, 1000, seed=3)
+    x = torch.randn(1100, 1000, generator=torch.Generator().manual_seed(3))
+    weights = PACKERS[bits](weight)
+    assert torch.equal(mm(ext, x, weights), torch.cat([mm(ext, part, weights) for part in x.split(8)]))
+
+
 def test_int4_quantization_has_integer_sub_scales_and_is_close(ext):
     weight, x = _case(64, 600, seed=2)  # 600: three super-blocks, the last one partial
     weights = w4a8.quantize_weight(weight)

@@ -387,19 +387,28 @@ const RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1>, row_chunk8<2>, ro
 // whether int4 weights take the super-block arithmetic in this build
 constexpr bool kSuperPath = kLanes4 == 8;
 
-// The activations of one matmul, as its arithmetic reads them: scratch reused by the calling thread's next call (a
-// decode step makes about a hundred small calls, where allocating tensors would cost as much as the arithmetic)
+// The activations of one matmul, as its arithmetic reads them. A decode or verify step makes about a hundred small
+// calls, where allocating them anew would cost as much as the arithmetic: those reuse the calling thread's scratch.
+// A prefill's (up to ~2 bytes per input and token: 150 MB for 8192 tokens into 8960 inputs) are freed after the call.
+constexpr int64_t kScratchBytes = 1 << 20;
+
 struct Activations {
   std::vector<int8_t> q;  // [k, Kp]
   std::vector<float> scale;  // [k, ceil(Kp / span)]
   std::vector<uint8_t> super;  // the super path's records: q + 128 (see super_records)
   std::vector<PairRecord> pairs;  // the per-block path's records (see pair_records)
   std::vector<float> row;  // one token's inputs as float32, zero-padded to Kp
+  std::vector<float> ascale;  // the super path's activation scales per chunk of tokens (see matmul)
 };
 
-// x: [k, K] (contiguous) -> this thread's scratch, filled
-const Activations& quantize(const torch::Tensor& x, int64_t k, int64_t Kp, bool super) {
-  thread_local Activations a;
+// Where the activations of k tokens of Kp inputs go: this thread's scratch, or `own` for a large call
+Activations& scratch_for(int64_t k, int64_t Kp, Activations& own) {
+  thread_local Activations scratch;
+  return k * Kp <= kScratchBytes ? scratch : own;
+}
+
+// x: [k, K] (contiguous) -> a, filled
+void quantize(const torch::Tensor& x, int64_t k, int64_t Kp, bool super, Activations& a) {
   const int64_t chunks = (k + kMaxChunk - 1) / kMaxChunk, span = super ? kSuper * kPair : kBlock;
   const int64_t records = chunks * kMaxChunk * (Kp / kPair);
   a.q.resize(k * Kp);
@@ -416,7 +425,6 @@ const Activations& quantize(const torch::Tensor& x, int64_t k, int64_t Kp, bool 
     a.pairs.resize(records);  // PairRecord is 64-byte aligned on the VNNI path: its aligned loads
     pair_records(a.q.data(), a.scale.data(), k, Kp, a.pairs.data());
   }
-  return a;
 }
 
 void check_inputs(const torch::Tensor& x) {
@@ -492,14 +500,16 @@ void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const to
 template <typename RowOf>
 torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, const RowFn* chunks, RowOf row_of,
                      Output out) {
-  const int64_t k = x.size(-1) ? x.numel() / x.size(-1) : 0, npairs = Kp / kPair, nsuper = (npairs + kSuper - 1) / kSuper;
-  const Activations& act = quantize(x.contiguous(), k, Kp, super);
+  const int64_t k = x.size(-1) ? x.numel() / x.size(-1) : 0;
+  const int64_t npairs = Kp / kPair, nsuper = (npairs + kSuper - 1) / kSuper;
+  Activations own;
+  Activations& act = scratch_for(k, Kp, own);
+  quantize(x.contiguous(), k, Kp, super, act);
   const uint8_t* records = super ? act.super.data() : reinterpret_cast<const uint8_t*>(act.pairs.data());
   const int64_t chunk_bytes = kMaxChunk * npairs * (super ? kPair : static_cast<int64_t>(sizeof(PairRecord)));
   // the super path's activation scales per chunk: [super-blocks][kMaxChunk]
-  thread_local std::vector<float> scratch;  // (the workers below see their own thread_local: they get `ascale`)
-  scratch.assign(super ? (k + kMaxChunk - 1) / kMaxChunk * nsuper * kMaxChunk : 0, 0.f);
-  float* ascale = scratch.data();
+  act.ascale.assign(super ? (k + kMaxChunk - 1) / kMaxChunk * nsuper * kMaxChunk : 0, 0.f);
+  float* ascale = act.ascale.data();
   for (int64_t t = 0; super && t < k; ++t)
     for (int64_t s = 0; s < nsuper; ++s)
       ascale[(t / kMaxChunk * nsuper + s) * kMaxChunk + t % kMaxChunk] = act.scale[t * nsuper + s];
@@ -531,7 +541,8 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp, int
   TORCH_CHECK(x.dim() == 2 && Kp % kPair == 0 && Kp >= x.size(1), "x must be [k, K]; Kp a multiple of 64 and >= K");
   TORCH_CHECK(span == kBlock || span == kSuper * kPair, "span must be 32 or 256");
   const int64_t k = x.size(0);
-  const Activations& a = quantize(x.contiguous(), k, Kp, span != kBlock);
+  Activations a;
+  quantize(x.contiguous(), k, Kp, span != kBlock, a);
   torch::Tensor q = torch::empty({k, Kp}, torch::kInt8), scale = torch::empty({k, (Kp + span - 1) / span});
   std::memcpy(q.data_ptr<int8_t>(), a.q.data(), q.numel());
   std::memcpy(scale.data_ptr<float>(), a.scale.data(), scale.numel() * sizeof(float));
