@@ -78,7 +78,8 @@ def test_each_row_is_what_it_is_alone(ext, N, K, layer):
 def test_a_long_prefill_equals_small_calls(ext, bits):
     """Over a megabyte of activations the kernel allocates them per call instead of reusing its scratch: same rows."""
     weight, _ = _case(24, 1000, seed=3)
-    x = torch.randn(1100, 1000, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2000, 1000, generator=torch.Generator().manual_seed(3))
+    assert x.shape[0] * w4a8.padded_width(1000) > 1.5 * 2**20  # well over the kernel's kScratchBytes (2**20)
     weights = PACKERS[bits](weight)
     assert torch.equal(mm(ext, x, weights), torch.cat([mm(ext, part, weights) for part in x.split(8)]))
 
@@ -221,11 +222,6 @@ def test_the_layer_casts_and_adds_its_bias(ext, monkeypatch):
     assert torch.equal(y, (reference(ext, xb.float(), weights) + bias.float()).to(torch.bfloat16))
     int8 = W8A8Linear.quantize(weight.to(torch.bfloat16), bias)
     assert torch.equal(int8(xb), (mm(ext, xb.float(), int8.weights) + bias.float()).to(torch.bfloat16))
-    # any leading shape, as the layer's input comes ([B, T, K]); a bfloat16 bias into a float32 output
-    x3 = torch.cat([x[:6], x[6:12].flip(0)]).view(2, 6, 96)
-    assert torch.equal(ext.w4a8_mm(x3, *weights, bias, torch.float32),
-                       (mm(ext, x3.view(12, 96), weights) + bias.float()).view(2, 6, 40))
-    assert layer(x3.to(torch.bfloat16)).shape == (2, 6, 40)
     # dtypes the kernel does not take go through float32 (xb is exact in float16)
     assert torch.equal(layer(xb.half()), (mm(ext, xb.float(), weights) + bias.float()).half())
     monkeypatch.setattr(w4a8, "extension", lambda *flags: None)  # no compiler: the reference, same arithmetic
@@ -233,6 +229,40 @@ def test_the_layer_casts_and_adds_its_bias(ext, monkeypatch):
     assert torch.equal(layer(xb), want.to(torch.bfloat16))
     assert torch.equal(layer(xb.half()), want.half())
     assert torch.equal(layer(xb.view(3, 1, 96)), want.to(torch.bfloat16).view(3, 1, 40))
+    assert layer(xb[:0].view(0, 1, 96)).shape == (0, 1, 40)
+
+
+@pytest.mark.parametrize("bits", PACKERS)
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_any_leading_shape_and_bias_dtype(ext, bits, bias_dtype, out_dtype):
+    """The layer hands the kernel its [B, T, K] input as it comes (contiguous or not) and its bias in the model's
+    dtype: the float32 sum plus the bias's float32 value, rounded once, row by row as for [k, K]."""
+    weight, x = _case(40, 96, seed=6)
+    weights = PACKERS[bits](weight)
+    bias = None if bias_dtype is None else torch.randn(40).to(bias_dtype)
+    plus = 0 if bias is None else bias.float()
+
+    def want(rows):  # [k, K] -> [k, N]
+        return (mm(ext, rows, weights) + plus).to(out_dtype)
+
+    kernel = ext.w4a8_mm if bits == "w4" else ext.w8a8_mm
+    x3 = x[:12].view(3, 4, 96).transpose(0, 1)  # [4, 3, 96], not contiguous
+    assert torch.equal(kernel(x3, *weights, bias, out_dtype), want(x3.reshape(12, 96)).view(4, 3, 40))
+    assert torch.equal(kernel(x[5], *weights, bias, out_dtype), want(x[5:6])[0])  # one row, [K]
+    assert kernel(x[:0].view(2, 0, 96), *weights, bias, out_dtype).shape == (2, 0, 40)
+    if bits == "w4" and bias is not None and bias_dtype != torch.float16:  # the layer, and its torch fallback
+        layer = W4A8Linear(weights, 96, bias, bias_dtype)
+        xl = x3.to(bias_dtype)
+        rows = mm(ext, xl.reshape(12, 96).float(), weights) + plus
+        assert torch.equal(layer(xl), rows.to(bias_dtype).view(4, 3, 40))
+        assert layer(xl[:, :0]).shape == (4, 0, 40)
+
+
+def test_an_empty_width_gives_the_bias(ext):
+    weights = w4a8.quantize_weight(torch.zeros(8, 0))
+    bias = torch.arange(8.0)
+    assert torch.equal(ext.w4a8_mm(torch.zeros(5, 0), *weights, bias), bias.expand(5, 8))
 
 
 def test_the_block_scales_are_kept_only_where_the_kernel_reads_them(ext):

@@ -31,6 +31,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -60,6 +61,9 @@ struct alignas(64) PairRecord {
   int32_t neg8[16];
   float scale[16];  // [a0, a1, a0, a1, ...]
 };
+#ifndef __cpp_aligned_new
+#error "the VNNI path keeps PairRecords in a std::vector: it needs C++17's aligned new for their 64-byte alignment"
+#endif
 #else
 struct PairRecord {
   int8_t q[64];
@@ -388,8 +392,9 @@ const RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1>, row_chunk8<2>, ro
 constexpr bool kSuperPath = kLanes4 == 8;
 
 // The activations of one matmul, as its arithmetic reads them. A decode or verify step makes about a hundred small
-// calls, where allocating them anew would cost as much as the arithmetic: those reuse the calling thread's scratch.
-// A prefill's (up to ~2 bytes per input and token: 150 MB for 8192 tokens into 8960 inputs) are freed after the call.
+// calls, where allocating them anew would cost as much as the arithmetic: calls of up to kScratchBytes of int8
+// activations (k * Kp; the records take 1-3 times that again) reuse the calling thread's scratch. A prefill's (2-4
+// bytes per input and token: 150-300 MB for 8192 tokens into 8960 inputs) are freed after the call.
 constexpr int64_t kScratchBytes = 1 << 20;
 
 struct Activations {
@@ -407,7 +412,7 @@ Activations& scratch_for(int64_t k, int64_t Kp, Activations& own) {
   return k * Kp <= kScratchBytes ? scratch : own;
 }
 
-// x: [k, K] (contiguous) -> a, filled
+// x: k rows of K inputs (contiguous, any leading shape) -> a, filled
 void quantize(const torch::Tensor& x, int64_t k, int64_t Kp, bool super, Activations& a) {
   const int64_t chunks = (k + kMaxChunk - 1) / kMaxChunk, span = super ? kSuper * kPair : kBlock;
   const int64_t records = chunks * kMaxChunk * (Kp / kPair);
@@ -428,13 +433,13 @@ void quantize(const torch::Tensor& x, int64_t k, int64_t Kp, bool super, Activat
 }
 
 void check_inputs(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
-              "x must be [..., k, K] float32 or bfloat16");
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be [..., K] float32 or bfloat16");
 }
 
 // Where a block of outputs goes: the float32 sums plus the bias (its float32 value), rounded once to the output's dtype
 struct Output {
-  torch::Tensor tensor;  // [..., k, N] float32 or bfloat16: x's shape with N for K
+  torch::Tensor tensor;  // [..., N] float32 or bfloat16: x's shape with N for K
   torch::Tensor bias;  // [N] float32 or bfloat16 (read as float32: exact), or undefined
 
   Output(const torch::Tensor& x, int64_t N, const c10::optional<torch::Tensor>& b, c10::optional<at::ScalarType> dtype)
@@ -495,12 +500,12 @@ void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const to
               "wscale must be contiguous [N, Kp / 32] float32", optional ? " (or [N, 0]: not read here)" : "");
 }
 
-// x: [..., k, K] float32 or bfloat16 (its rows: every row of every leading index) times the weights of `row(n)` ->
-// `out` ([..., k, N], its dtype, plus its bias)
+// x: [..., K] float32 or bfloat16 (k rows: the product of the leading sizes) times the weights of `row(n)` -> `out`
+// ([..., N], its dtype, plus its bias)
 template <typename RowOf>
 torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, const RowFn* chunks, RowOf row_of,
                      Output out) {
-  const int64_t k = x.size(-1) ? x.numel() / x.size(-1) : 0;
+  const int64_t k = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   const int64_t npairs = Kp / kPair, nsuper = (npairs + kSuper - 1) / kSuper;
   Activations own;
   Activations& act = scratch_for(k, Kp, own);
@@ -543,15 +548,16 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp, int
   const int64_t k = x.size(0);
   Activations a;
   quantize(x.contiguous(), k, Kp, span != kBlock, a);
-  torch::Tensor q = torch::empty({k, Kp}, torch::kInt8), scale = torch::empty({k, (Kp + span - 1) / span});
-  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), q.numel());
-  std::memcpy(scale.data_ptr<float>(), a.scale.data(), scale.numel() * sizeof(float));
+  torch::Tensor q = torch::empty({k, Kp}, torch::kInt8);
+  torch::Tensor scale = torch::empty({k, (Kp + span - 1) / span}, torch::kFloat32);
+  std::copy(a.q.begin(), a.q.end(), q.data_ptr<int8_t>());
+  std::copy(a.scale.begin(), a.scale.end(), scale.data_ptr<float>());
   return {q, scale};
 }
 
-// x: [..., k, K] float32 or bfloat16; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc; [N, 0] on the
+// x: [..., K] float32 or bfloat16; packed: [N, Kp / 2] uint8; wscale: [N, Kp / 32] float32 (D * sc; [N, 0] on the
 // super-block path, which does not read it); d: [N, S] float32; sub: [N, 8 S] int8; corr: [N, S] int32
-// (S = ceil(Kp / 256)); bias: [N] or None -> [..., k, N] in dtype
+// (S = ceil(Kp / 256)); bias: [N] or None -> [..., N] in dtype
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, torch::Tensor d, torch::Tensor sub,
                       torch::Tensor corr, c10::optional<torch::Tensor> bias, c10::optional<at::ScalarType> dtype) {
   check_weights(x, packed, wscale, 4);
@@ -572,8 +578,8 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   }, Output(x, N, bias, dtype));
 }
 
-// x: [..., k, K] float32 or bfloat16; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32; bias: [N] or None ->
-// [..., k, N] in dtype
+// x: [..., K] float32 or bfloat16; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32; bias: [N] or None ->
+// [..., N] in dtype
 torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, c10::optional<torch::Tensor> bias,
                       c10::optional<at::ScalarType> dtype) {
   check_weights(x, packed, wscale, 8);
@@ -591,10 +597,10 @@ std::string simd_path() { return kPath; }
 int64_t lanes(int64_t bits) { return bits == 4 ? kLanes4 : 8; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("w4a8_mm", &w4a8_mm, "int4 weights x int8 activations, [k, K] x [N, K]^T (+ bias) -> [k, N] in dtype",
+  m.def("w4a8_mm", &w4a8_mm, "int4 weights x int8 activations, [..., K] x [N, K]^T (+ bias) -> [..., N] in dtype",
         py::arg("x"), py::arg("packed"), py::arg("wscale"), py::arg("d"), py::arg("sub"), py::arg("corr"),
         py::arg("bias") = py::none(), py::arg("dtype") = py::none());
-  m.def("w8a8_mm", &w8a8_mm, "int8 weights x int8 activations, [k, K] x [N, K]^T (+ bias) -> [k, N] in dtype",
+  m.def("w8a8_mm", &w8a8_mm, "int8 weights x int8 activations, [..., K] x [N, K]^T (+ bias) -> [..., N] in dtype",
         py::arg("x"), py::arg("packed"), py::arg("wscale"), py::arg("bias") = py::none(),
         py::arg("dtype") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 per token in spans of 32 or 256 inputs");

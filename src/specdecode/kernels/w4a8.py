@@ -183,7 +183,7 @@ def reference_quantize_activations(x: torch.Tensor, padded: int, span: int = BLO
     scale = xb.abs().amax(-1) / 127
     q = torch.where(scale.unsqueeze(-1) > 0, torch.round(xb / scale.unsqueeze(-1)), 0)
     q = q.nan_to_num(0.0, 0.0, 0.0).clamp(-127, 127)  # inf / inf; a denormal scale
-    return q.to(torch.int8).view(k, -1)[:, :padded].contiguous(), scale
+    return q.to(torch.int8).view(k, spans * span)[:, :padded].contiguous(), scale
 
 
 def reference_mm(x: torch.Tensor, weights: Weights, lanes: int = 8, rows_per_chunk: int = 256) -> torch.Tensor:
@@ -262,7 +262,7 @@ def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
     ext = extension()
     if ext is None:
         y = reference_mm(x.reshape(-1, x.shape[-1]).float(), weights)
-        return (y if bias is None else y + bias.float()).to(dtype).view(*x.shape[:-1], -1)
+        return (y if bias is None else y + bias.float()).to(dtype).view(*x.shape[:-1], y.shape[-1])
     kernel = ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm
     if x.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES:
         return kernel(x, *weights, bias, dtype)
