@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdecode.builder import make_drafter
+from specdecode.builder import build_generator, make_drafter
 from specdecode.drafting.hybrid import HybridDrafter
 from specdecode.drafting.model import ModelDrafter
 from specdecode.drafting.ngram import NgramDrafter
@@ -99,6 +99,27 @@ def test_the_cost_model_drafts_long_where_verifying_is_flat():
     assert costs.best_gamma(8) == 8
     costs = _costs({1: 0.056, 9: 0.082}, draft=0.021, accepted=9, rejected=1)  # a 0.5B draft model: dearer
     assert 2 <= costs.best_gamma(8) < 8
+
+
+def test_the_cost_model_keeps_lookups_short_where_verifying_is_steep():
+    steep = {1: 0.042, 2: 0.054, 5: 0.082, 9: 0.135}  # w4a8 on an AVX2 Zen 3 (runtime-bench, 1.5B)
+    assert costs_pick(steep, accepted=1, rejected=1) <= 2  # copied tokens are free, but verifying them is not
+    assert costs_pick(steep, accepted=1, rejected=4) == 0  # mostly wrong lookups: plain steps
+    assert costs_pick(steep, accepted=30, rejected=1) >= 6  # long copies: worth a wide verify
+
+
+def costs_pick(forward: dict[int, float], accepted: float, rejected: float) -> int:
+    return _costs(forward, draft=1e-5, accepted=accepted, rejected=rejected).best_gamma(8)
+
+
+def test_adaptive_lookups_are_built_and_lossless(tiny_pair, plain_outputs):
+    target, _ = tiny_pair
+    gen = build_generator(target, drafter="ngram", adaptive=True)
+    assert gen.gamma.adaptive and gen.gamma.initial == 8  # lookups start long; the cost model shortens them
+    for prompt, expected in zip(random_prompts(N_PROMPTS, 64)[:10], plain_outputs):
+        assert gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids == expected
+    with pytest.raises(InvalidRequestError, match="model and ngram drafters, not hybrid"):
+        build_generator(target, draft=tiny_pair[1], drafter="hybrid", adaptive=True)
 
 
 def test_greedy_output_is_plain_decodings_whatever_the_cost_model_chooses(tiny_pair, plain_outputs):

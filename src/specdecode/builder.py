@@ -22,6 +22,8 @@ DRAFTERS = ("model", "ngram", "hybrid", "none")
 WITH_DRAFT_MODEL = ("model", "hybrid")  # the drafters that load and run a draft model
 VERIFY_WIDTH = 9  # rows of every target decode forward in bit-exact mode: gamma <= 8
 DEFAULT_GAMMA = 4  # the draft model's; copied tokens cost nothing to draft, so lookup proposes up to the width
+# drafters whose draft length the cost model may choose (hybrid mixes a free lookup and a paid draft in one length)
+ADAPTIVE_DRAFTERS = ("model", "ngram")
 MAX_GAMMA = VERIFY_WIDTH - 1
 DRAFT_MIN_CONFIDENCE = 0.3  # adaptive mode: the draft model stops after a token it gives less than this
 
@@ -125,8 +127,8 @@ def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None,
               draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-    if adaptive and drafter != "model":
-        raise InvalidRequestError("--adaptive applies to the model drafter only")
+    if adaptive and drafter not in ADAPTIVE_DRAFTERS:
+        raise InvalidRequestError(f"--adaptive applies to the {' and '.join(ADAPTIVE_DRAFTERS)} drafters, not {drafter}")
     if gamma is not None and not 1 <= gamma <= MAX_GAMMA:
         raise InvalidRequestError(f"gamma must be in [1, {MAX_GAMMA}], got {gamma}")
     model_gamma = gamma or DEFAULT_GAMMA

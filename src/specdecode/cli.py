@@ -20,7 +20,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--gamma", type=int, default=None,
                    help=f"draft tokens per step, 1..8 (default: {DEFAULT_GAMMA} for the draft model, 8 for ngram/hybrid lookups)")
-    g.add_argument("--adaptive", action="store_true", help="adapt the draft length to the acceptance")
+    g.add_argument("--adaptive", action="store_true",
+                   help="each step, the draft length with the most expected tokens per second under the measured "
+                        "costs and acceptance, 0 included (model and ngram drafters)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto (default): bfloat16 where its matmuls are clearly faster on this CPU (measured once, "
                         "cached), else float32")

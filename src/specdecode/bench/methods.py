@@ -17,10 +17,11 @@ from specdecode.errors import InvalidRequestError
 from specdecode.models.linear import parse_quant
 from specdecode.models.loading import DTYPES, LoadedModel
 
-OURS = ("plain", "ngram", "model", "adaptive", "hybrid")
+OURS = ("plain", "ngram", "ngram-adaptive", "model", "adaptive", "hybrid")
 PEERS = ("hf-plain", "hf-assisted", "hf-prompt-lookup", "llama-cpp", "llama-cpp-prompt-lookup")
 PLAIN_KINDS = ("plain", "hf-plain", "llama-cpp")  # no drafting: the baselines a speedup is measured against
-_OUR_CONFIG = {"plain": dict(drafter="none"), "ngram": dict(drafter="ngram"), "model": dict(drafter="model"),
+_OUR_CONFIG = {"plain": dict(drafter="none"), "ngram": dict(drafter="ngram"),
+               "ngram-adaptive": dict(drafter="ngram", adaptive=True), "model": dict(drafter="model"),
                "adaptive": dict(drafter="model", adaptive=True), "hybrid": dict(drafter="hybrid")}
 
 
