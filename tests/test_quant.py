@@ -133,6 +133,14 @@ def test_cli_rejects_a_bad_quant(tiny_pair, capsys):
     assert "multiple" in capsys.readouterr().err
 
 
+def test_cli_rejects_bad_drafting_before_loading_anything(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")  # never read: the drafting arguments fail first
+    assert cli.main(["generate", "--target", missing, "--drafter", "hybrid", "--adaptive", "--prompt", "abc"]) == 2
+    assert "--adaptive applies to the model and ngram drafters, not hybrid" in capsys.readouterr().err
+    assert cli.main(["generate", "--target", missing, "--gamma", "9", "--prompt", "abc"]) == 2
+    assert "gamma must be in [1, 8]" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module", params=[("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"), ("bfloat16", "w4a8"),
                                         ("float32", "w8a8"),
                                         ("bfloat16", "int4"), pytest.param(("bfloat16", "int4-amx"), marks=needs_amx),

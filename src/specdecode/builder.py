@@ -121,16 +121,21 @@ def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue:
     return Scheduler(_assemble(target, **generator_args, batch=max_batch), max_batch, max_queue, on_step)
 
 
-def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
-              gamma: int | None = None, adaptive: bool = False, dtype: str = "auto", device: str = "cpu",
-              bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
-              draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
+def check_drafting(drafter: str, gamma: int | None, adaptive: bool) -> None:
+    """The drafting arguments' errors, before anything slow is loaded."""
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if adaptive and drafter not in ADAPTIVE_DRAFTERS:
         raise InvalidRequestError(f"--adaptive applies to the {' and '.join(ADAPTIVE_DRAFTERS)} drafters, not {drafter}")
     if gamma is not None and not 1 <= gamma <= MAX_GAMMA:
         raise InvalidRequestError(f"gamma must be in [1, {MAX_GAMMA}], got {gamma}")
+
+
+def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
+              gamma: int | None = None, adaptive: bool = False, dtype: str = "auto", device: str = "cpu",
+              bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
+              draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
+    check_drafting(drafter, gamma, adaptive)
     model_gamma = gamma or DEFAULT_GAMMA
     schedule = GammaSchedule(MAX_GAMMA if drafter == "hybrid" or (drafter == "ngram" and gamma is None)
                              else model_gamma, adaptive, maximum=MAX_GAMMA)

@@ -68,10 +68,11 @@ def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specdecode.builder import build_generator, load_target
+    from specdecode.builder import build_generator, check_drafting, load_target
     from specdecode.verification.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.coupling)  # fail before the slow load
+    check_drafting(args.drafter, args.gamma, args.adaptive)
     target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact, quant=args.quant)
     gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, adaptive=args.adaptive,
                           dtype=args.dtype, device=args.device, quant=args.quant, draft_quant=args.draft_quant,
