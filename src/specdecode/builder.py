@@ -126,7 +126,8 @@ def check_drafting(drafter: str, gamma: int | None, adaptive: bool) -> None:
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if adaptive and drafter not in ADAPTIVE_DRAFTERS:
-        raise InvalidRequestError(f"--adaptive applies to the {' and '.join(ADAPTIVE_DRAFTERS)} drafters, not {drafter}")
+        raise InvalidRequestError(
+            f"--adaptive applies to the {' and '.join(ADAPTIVE_DRAFTERS)} drafters, not {drafter}")
     if gamma is not None and not 1 <= gamma <= MAX_GAMMA:
         raise InvalidRequestError(f"gamma must be in [1, {MAX_GAMMA}], got {gamma}")
 
