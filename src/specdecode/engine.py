@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from jinja2 import TemplateError
 
+from specdecode.detokenize import IncrementalText
 from specdecode.drafting.base import Draft, Drafter
 from specdecode.errors import InvalidRequestError
 from specdecode.models.decoder import Transformer
@@ -164,11 +165,12 @@ class Sequence:
     def __init__(self, ids: list[int], max_new: int, params: SamplingParams, stop: tuple[str, ...],
                  eos: frozenset[int], gamma: GammaSchedule, tokenizer=None) -> None:
         self.ids, self.max_new, self.params, self.stop, self.eos = ids, max_new, params, stop, eos
-        self.schedule, self.gamma, self.tokenizer = gamma, gamma.initial, tokenizer
+        self.schedule, self.gamma = gamma, gamma.initial
         self.generator = params.generator()
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.out: list[int] = []
-        self.text = ""
+        self.text = ""  # emitted so far: `decoded`'s text less what is held back as a possible stop string
+        self.decoded = IncrementalText(tokenizer)
         self.finish: str | None = None  # "stop" (eos or stop string) | "length"
         self._hit_stop = False
         self.t_start = time.perf_counter()
@@ -199,7 +201,8 @@ class Sequence:
                 break
             self.ids.append(tok)
             self.out.append(tok)
-            piece, self.text, self._hit_stop = _detokenize(self.tokenizer, self.out, self.text, self.stop)
+            self.decoded.update(self.out)
+            piece, self.text, self._hit_stop = _emit(self.decoded.text, self.text, self.stop)
             events.append(TokenEvent(tok, piece, drafted=i < accepted))
             if self._hit_stop:
                 self.finish = "stop"
@@ -213,7 +216,8 @@ class Sequence:
         """The last events of a finished sequence: text held back as a possible stop string, then the result."""
         events: list[TokenEvent | GenerationResult] = []
         if not self._hit_stop:
-            full = _decode_text(self.tokenizer, self.out)
+            self.decoded.update(self.out, final=True)
+            full = self.decoded.text
             if len(full) > len(self.text):
                 events.append(TokenEvent(None, full[len(self.text):], drafted=False))
                 self.text = full
@@ -327,19 +331,10 @@ class SpeculativeGenerator:
         yield from seq.close()
 
 
-def _decode_text(tokenizer, out: list[int]) -> str:
-    return tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
-
-
-def _detokenize(tokenizer, out: list[int], text: str, stop: tuple[str, ...]) -> tuple[str, str, bool]:
-    """The new piece of text, the text emitted so far, and whether a stop string appeared.
-
-    Text that could be the start of a stop string, or an incomplete UTF-8 character, is held
-    back until the next token decides it.
-    """
-    full = _decode_text(tokenizer, out)
-    if full.endswith("\ufffd"):
-        return "", text, False
+def _emit(full: str, text: str, stop: tuple[str, ...]) -> tuple[str, str, bool]:
+    """The new piece of text, the text emitted so far, and whether a stop string appeared, given all the text
+    decoded so far (`full`, which holds back incomplete UTF-8 characters itself). Text that could be the start
+    of a stop string is held back until the next token decides it."""
     for s in stop:
         at = full.find(s, max(0, len(text) - len(s)))
         if s and at >= 0:
