@@ -49,7 +49,7 @@ def stream(tokenizer, ids: list[int]) -> IncrementalText:
     for n in range(1, len(ids) + 1):
         before = text.text
         text.update(ids[:n])
-        full = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        full = tokenizer.decode(ids[:n], skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert text.text.startswith(before) and full.startswith(text.text), (ids[:n], text.text, full)
         assert not text.text.endswith(INCOMPLETE)
     text.update(ids, final=True)
@@ -61,7 +61,27 @@ def test_streamed_text_is_the_full_decode():
         rng = random.Random(0)
         for _ in range(200):
             ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
-            assert stream(tokenizer, ids).text == tokenizer.decode(ids, skip_special_tokens=True), ids
+            want = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            assert stream(tokenizer, ids).text == want, ids
+
+
+def test_clean_up_of_spaces_is_off_so_streamed_text_never_changes():
+    class CleaningUp:  # transformers 4 applied a config's clean_up_tokenization_spaces (Llama 3's: true) to BPE too
+        def __init__(self, tok):
+            self.tok = tok
+
+        def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=True):
+            text = self.tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+            return text.replace(" .", ".") if clean_up_tokenization_spaces else text
+
+    tok = byte_level_tokenizer()
+    ids = tok.convert_tokens_to_ids(["a", "\u0120", ".", "b", "\u0120hello", "\u0120."])
+    text = IncrementalText(CleaningUp(tok))
+    for n in range(1, len(ids) + 1):
+        before = text.text
+        text.update(ids[:n])
+        assert text.text.startswith(before)  # a clean-up would have rewritten "a " into "a." after the fact
+    assert text.text == "a .b hello ."
 
 
 def test_an_incomplete_character_waits_for_its_last_byte():
@@ -81,14 +101,15 @@ def test_each_update_decodes_a_window_not_everything():
     decoded = []
 
     class Counting:
-        def decode(self, ids, skip_special_tokens):
+        def decode(self, ids, **options):
             decoded.append(len(ids))
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+            return tok.decode(ids, **options)
 
-    ids = [random.Random(1).randrange(len(tok)) for _ in range(2000)]
+    rng = random.Random(1)
+    ids = [rng.randrange(len(tok)) for _ in range(2000)]  # split characters and special tokens among them
     text = IncrementalText(Counting())
     for n in range(1, len(ids) + 1):
         text.update(ids[:n])
     text.update(ids, final=True)
-    assert text.text == tok.decode(ids)
+    assert text.text == tok.decode(ids, skip_special_tokens=True)
     assert sum(decoded) < 10 * len(ids)  # a full decode per token would be about 2000 * 2000 / 2
