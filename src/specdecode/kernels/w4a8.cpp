@@ -461,16 +461,12 @@ struct Output {
 
   // sums [T][kRowBlock] of rows n0..n1 - 1 for tokens t0..t0 + T - 1
   void store(const float* sums, int64_t T, int64_t t0, int64_t n0, int64_t n1) {
-    const bool f32 = tensor.scalar_type() == torch::kFloat32;
-    if (!bias.defined() || bias.scalar_type() == torch::kFloat32) {
-      const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-      if (f32) store_as(tensor.data_ptr<float>(), b, sums, T, t0, n0, n1);
+    const auto with_bias = [&](const auto* b) {  // the output's dtype, for a bias of either dtype (or none)
+      if (tensor.scalar_type() == torch::kFloat32) store_as(tensor.data_ptr<float>(), b, sums, T, t0, n0, n1);
       else store_as(tensor.data_ptr<at::BFloat16>(), b, sums, T, t0, n0, n1);
-    } else {
-      const at::BFloat16* b = bias.data_ptr<at::BFloat16>();
-      if (f32) store_as(tensor.data_ptr<float>(), b, sums, T, t0, n0, n1);
-      else store_as(tensor.data_ptr<at::BFloat16>(), b, sums, T, t0, n0, n1);
-    }
+    };
+    if (bias.defined() && bias.scalar_type() == torch::kBFloat16) with_bias(bias.data_ptr<at::BFloat16>());
+    else with_bias(bias.defined() ? bias.data_ptr<float>() : nullptr);
   }
 
   template <typename Out, typename Bias>
