@@ -11,6 +11,7 @@ from specdecode.builder import build_generator, load_target
 from specdecode.kernels import decode_ops
 from specdecode.models import decoder
 from specdecode.models.loading import load_model
+from tests.conftest import save_tiny, tiny_hf_model, tiny_tokenizer
 from tests.test_int4_amx import needs_amx
 from tests.test_lossless import random_prompts
 
@@ -216,6 +217,43 @@ def test_targets_of_our_int4_kernels_run_unpadded(tiny_pair, quant, head):
     target = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant=quant).model
     assert target.fused_ops and target.rows_independent and target.decode_width == 9
     assert target.lm_head.quant == head and target.lm_head.row_invariant
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # a qkv bias, and none
+def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(tmp_path, arch, dtype):
+    """kernels/layer.cpp runs a W4A8 layer in one call: the same logits and cache writes as the layer's ops called
+    one by one from Python, for batches in any cache rows and steps of 1..16 tokens."""
+    hf = tiny_hf_model(arch, seed=3, hidden=128, layers=2)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):  # transformers initializes them to zero
+                p.normal_(0, 0.5)
+    save_tiny(tmp_path, hf, tiny_tokenizer())
+    model = load_model(tmp_path, dtype=dtype, quant="w4a8").model
+    assert model.fused_ops and all(block.one_call for block in model.blocks)
+    tokens = torch.randint(0, 64, (2, 47), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for one_call in (True, False):
+        for block in model.blocks:
+            block.one_call = one_call
+        cache, outs = model.new_cache(3, 256), []
+        rows, start = torch.tensor([2, 0]), torch.tensor([0, 0])
+        for T in (16, 1, 4, 9, 1, 16):
+            outs.append(model(tokens[:, int(start[0]):int(start[0]) + T], start, cache, rows=rows))
+            start = start + T
+        runs.append((outs, cache))
+    (fast, fast_cache), (slow, slow_cache) = runs
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    assert torch.equal(fast_cache.k, slow_cache.k) and torch.equal(fast_cache.v, slow_cache.v)
+
+
+@needs_ops
+def test_one_call_layers_only_where_every_linear_is_w4a8(tiny_pair):
+    assert not any(block.one_call for block in load_target(str(tiny_pair[0].source), quant="int4").model.blocks)
+    target = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant="w4a8").model
+    assert all(block.one_call for block in target.blocks) and not target.lm_head.quant == "w4a8"
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])

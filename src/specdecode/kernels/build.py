@@ -15,6 +15,8 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from collections.abc import Sequence
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -23,31 +25,46 @@ STALE_LOCK_SECONDS = 600
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused multiply-adds: see the sources
 
 
-def build(source: Path, isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
-    """The compiled `source` (into `<cache dir>/kernels/`), or None with a warning.
-    isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 path on an AVX-512 CPU (tests)."""
+KERNELS = Path(__file__).parent
+# one library: layer.cpp calls into the other two (cpu_ops.h) and binds them all
+CPU_SOURCES = (KERNELS / "layer.cpp", KERNELS / "w4a8.cpp", KERNELS / "decode_ops.cpp")
+CPU_HEADERS = (KERNELS / "cpu_ops.h",)
+
+
+@cache
+def cpu_extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
+    """Our CPU kernels (w4a8, the decode ops, the one-call w4a8 layer) as one extension, or None with a warning.
+    isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 paths on an AVX-512 CPU (tests)."""
+    return build("cpu", CPU_SOURCES, isa_flags, CPU_HEADERS)
+
+
+def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (),
+          headers: Sequence[Path] = ()) -> ModuleType | None:
+    """`sources` compiled into one extension (into `<cache dir>/kernels/`), or None with a warning.
+    Rebuilt when a source or header, this CPU's flags, the compiler flags or torch change."""
     from torch.utils import cpp_extension
 
     from specdecode.cpu import cpu_info
     from specdecode.models.catalog import cache_dir
 
-    key = hashlib.sha256(source.read_bytes() + " ".join(sorted(cpu_info()[1]) + list(FLAGS + isa_flags)).encode()
+    code = b"".join(path.read_bytes() for path in (*sources, *headers))
+    key = hashlib.sha256(code + " ".join(sorted(cpu_info()[1]) + list(FLAGS + isa_flags)).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
-    build_dir = cache_dir() / "kernels" / f"{source.stem}-{key}"
-    name = f"specdecode_{source.stem}_{key}"
+    build_dir = cache_dir() / "kernels" / f"{name}-{key}"
+    module = f"specdecode_{name}_{key}"
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         lock = build_dir / "lock"  # left behind by a build that was killed: torch would wait on it forever
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink(missing_ok=True)
-        if not (build_dir / f"{name}.so").exists():
-            print(f"specdecode: building the {source.stem} kernel for this CPU (once, about half a minute) in "
+        if not (build_dir / f"{module}.so").exists():
+            print(f"specdecode: building the {name} kernels for this CPU (once, about a minute) in "
                   f"{build_dir}", file=sys.stderr, flush=True)
         _put_ninja_on_path()
-        return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir), verbose=False,
-                                  extra_cflags=[*FLAGS, *isa_flags])
+        return cpp_extension.load(name=module, sources=[str(s) for s in sources], build_directory=str(build_dir),
+                                  verbose=False, extra_cflags=[*FLAGS, *isa_flags])
     except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
-        warnings.warn(f"the {source.stem} C++ kernel could not be built in {build_dir} (w4a8 then runs its slow "
+        warnings.warn(f"the {name} C++ kernels could not be built in {build_dir} (w4a8 then runs its slow "
                       f"pure-torch reference; int4-amx and int8-amx are unavailable; the decoder keeps PyTorch's ops "
                       f"and pads). The build said: ...{str(exc)[-1500:]}", stacklevel=3)
         return None
@@ -60,7 +77,7 @@ def build_for_cpu(source: Path, needs: set[str]) -> ModuleType | None:
 
     if not needs <= set(cpu_info()[1]):
         return None
-    ext = build(source)
+    ext = build(source.stem, (source,))
     return ext if ext is not None and ext.available() else None
 
 

@@ -20,7 +20,8 @@
 //   exp:       a Cephes-style polynomial with the same operations for every element (no libm).
 // Built with -ffp-contract=off: the only fused multiply-adds are the explicit std::fma ones.
 
-#include <torch/extension.h>
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -561,7 +562,11 @@ void dispatch(at::ScalarType t, F&& f) {  // float32 or bfloat16
 }
 #endif
 
-void check_rows(const torch::Tensor& t, const char* name) {
+}  // namespace
+
+namespace specdecode {
+
+static void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(available(), "the decode ops need a CPU with AVX-512 (BW, VL) or AVX2 + FMA");
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
@@ -657,11 +662,11 @@ torch::Tensor rope_attention(const torch::Tensor& qkv, const torch::Tensor& cos,
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind_decode_ops(pybind11::module_& m) {
   m.def("available", &available, "whether this build can run the ops (AVX-512 or AVX2 + FMA)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, row-invariant");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of each row of [.., 2I], row-invariant");
   m.def("rope_attention", &rope_attention, "rotary embedding, KV-cache write and attention, row-invariant");
 }
+
+}  // namespace specdecode

@@ -9,21 +9,19 @@ CPUs with AVX-512 or AVX2 + FMA run it; elsewhere, or where the build fails, the
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from specdecode.kernels.build import build_for_cpu
-
-SOURCE = Path(__file__).with_name("decode_ops.cpp")
+from specdecode.kernels.build import cpu_extension
 
 
 @cache
 def extension() -> ModuleType | None:
     """The compiled ops where this CPU runs them (AVX-512, or AVX2 + FMA), else None: then the decoder uses PyTorch's
     ops."""
-    return build_for_cpu(SOURCE, {"avx2", "fma"})
+    ext = cpu_extension()
+    return ext if ext is not None and ext.available() else None
 
 
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # what rope_attention takes
@@ -50,3 +48,14 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     Returns [B, T, heads * hd] in qkv's dtype."""
     return extension().rope_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
                                       rows.contiguous(), slots.contiguous(), mask.contiguous(), heads, kv_heads)
+
+
+def w4a8_layer(x: torch.Tensor, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float, qkv: tuple,
+               qkv_bias: torch.Tensor | None, o: tuple, gate_up: tuple, down: tuple, cos: torch.Tensor,
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """A decoder layer whose four linears are W4A8 (their `w4a8.Int4Weights`), in one C++ call (`layer.cpp`): the
+    ops above and the linears in the order `decoder.Block` runs them, so the same bits without the interpreter
+    between them. x [B, T, D] contiguous; the other arguments as `rms_norm` and `rope_attention` take them."""
+    return extension().w4a8_layer(x, attn_norm, mlp_norm, eps, qkv, qkv_bias, o, gate_up, down, cos, sin, k_cache,
+                                  v_cache, rows, slots, mask, heads, kv_heads)

@@ -28,7 +28,8 @@
 // above, one signed byte per weight (q in -127..127, 64 bytes per pair), activations in blocks of 32, and the
 // VNNI arithmetic in 8 lanes on every path: lane[l] = the sum of its products q_w * q.
 
-#include <torch/extension.h>
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -535,6 +536,8 @@ torch::Tensor matmul(const torch::Tensor& x, int64_t N, int64_t Kp, bool super, 
 
 }  // namespace
 
+namespace specdecode {
+
 // x: [k, K] float32 or bfloat16 -> (q [k, Kp] int8, scale [k, ceil(Kp / span)] float32), in spans of 32 or 256
 // inputs
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t Kp, int64_t span) {
@@ -592,7 +595,7 @@ std::string simd_path() { return kPath; }
 // the lanes L of the arithmetic (see the top of this file) for 4- or 8-bit weights
 int64_t lanes(int64_t bits) { return bits == 4 ? kLanes4 : 8; }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind_w4a8(pybind11::module_& m) {
   m.def("w4a8_mm", &w4a8_mm, "int4 weights x int8 activations, [..., K] x [N, K]^T (+ bias) -> [..., N] in dtype",
         py::arg("x"), py::arg("packed"), py::arg("wscale"), py::arg("d"), py::arg("sub"), py::arg("corr"),
         py::arg("bias") = py::none(), py::arg("dtype") = py::none());
@@ -604,3 +607,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes", &lanes, "how many float lanes each output sums, for 4- or 8-bit weights (16: the per-block "
                          "VNNI arithmetic; 8 for int4: the super-block one)");
 }
+
+}  // namespace specdecode

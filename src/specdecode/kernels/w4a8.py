@@ -15,24 +15,21 @@ quantized per block of 32 (as Q4_0 x Q8_0), with the blocks' scales as floats.
 W8A8 (`w8a8_mm`) is the same kernel with one signed byte per weight (Q8_0-like): a w4a8 target's lm_head, which
 stays wider than its blocks as llama.cpp's output layer does, and is row-invariant like them.
 
-The extension is compiled on first use with the machine's g++ (kernels/build.py, about 25 s on our Xeon).
+The extension (with the decode ops: `build.cpu_extension`) is compiled on first use with the machine's g++.
 """
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple, Union
 
 import torch
 
-from specdecode.kernels.build import build
+from specdecode.kernels.build import cpu_extension
 
 BLOCK = 32  # inputs per weight scale (and per activation scale on the per-block arithmetic)
 PAIR = 64  # two blocks: the unit the kernel packs and multiplies
 SUPER = 256  # inputs per super-block: one float scale D, and an int8 sub-scale per block of 32
-SOURCE = Path(__file__).with_name("w4a8.cpp")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes; others go through float32
 # register position j of a pair holds element ELEMENT_OF[j]: lane j // 4 holds block (j // 4) % 2 (see w4a8.cpp)
 ELEMENT_OF = torch.tensor([(j // 4 % 2) * BLOCK + (j // 8) * 4 + j % 4 for j in range(PAIR)])
@@ -67,11 +64,10 @@ class Int8Weights(NamedTuple):
 Weights = Union[Int4Weights, Int8Weights]
 
 
-@cache
 def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
     """The compiled kernel, or None (with a warning) where it cannot be built: `w4a8_mm` then runs the reference.
     isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 path on an AVX-512 CPU (tests)."""
-    return build(SOURCE, isa_flags)
+    return cpu_extension(isa_flags)
 
 
 def padded_width(in_features: int) -> int:

@@ -29,7 +29,8 @@ from torch import nn
 
 from specdecode.kernels import decode_ops
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, parse_quant, restore_linear
+from specdecode.models.linear import (DenseLinear, Linear, W4A8Linear, invariant_rows, make_linear, parse_quant,
+                                      restore_linear)
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 FUSED_MAX_ROWS = 16  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
@@ -117,12 +118,20 @@ class Block(nn.Module):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
         self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
+        # every linear our W4A8 kernel (the o, gate_up and down of this family have no bias): the fused path is one call
+        self.one_call = all(type(lin) is W4A8Linear and lin.row_invariant and (lin is qkv or lin.bias is None)
+                            for lin in (qkv, o, gate_up, down))
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache, step: StepInputs) -> torch.Tensor:
         # x: [B, T, D]
         cfg = self.cfg
         B, T, _ = x.shape
         H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if step.fused and self.one_call:  # the ops below and the linears in one C++ call (kernels/layer.cpp)
+            return decode_ops.w4a8_layer(x, self.attn_norm, self.mlp_norm, cfg.rms_norm_eps, self.qkv.weights,
+                                         self.qkv.bias, self.o.weights, self.gate_up.weights, self.down.weights,
+                                         step.cos, step.sin, cache.k[layer], cache.v[layer], step.rows, step.slots,
+                                         step.mask, H, KVH)
         if step.fused:  # the same layer in three row-invariant C++ ops (kernels/decode_ops.cpp)
             attn = decode_ops.rope_attention(self.qkv(decode_ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps)),
                                              step.cos, step.sin, cache.k[layer], cache.v[layer], step.rows,

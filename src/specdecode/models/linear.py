@@ -7,6 +7,8 @@ takes the bias and the cast itself, so its layers skip the base's extra ops).
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import torch
 from torch import nn
 
@@ -231,6 +233,7 @@ class W4A8Linear(Linear):
     quant = "w4a8"
     pack = staticmethod(w4a8.quantize_weight)
     Weights = w4a8.Int4Weights
+    _take = staticmethod(itemgetter(*Weights._fields))
 
     @property
     def row_invariant(self) -> bool:  # the C++ kernel is; its pure-torch stand-in is not promised to be
@@ -246,8 +249,8 @@ class W4A8Linear(Linear):
         self.register_buffer("width", torch.tensor(in_features))  # the padding hides it: kept to rebuild the layer
 
     @property
-    def weights(self) -> w4a8.Weights:
-        return self.Weights(*(self._buffers[name] for name in self.Weights._fields))
+    def weights(self) -> w4a8.Weights:  # read at every call: a few hundred times per step
+        return self.Weights._make(self._take(self._buffers))
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "W4A8Linear":
@@ -270,6 +273,7 @@ class W8A8Linear(W4A8Linear):
     quant = "w8a8"
     pack = staticmethod(w4a8.quantize_weight8)
     Weights = w4a8.Int8Weights
+    _take = staticmethod(itemgetter(*Weights._fields))
 
 
 def parse_quant(quant: str) -> tuple[str, int]:
