@@ -124,3 +124,16 @@ def test_a_chain_tree_mask_equals_the_causal_default(saved):
     plain = model(ids[:, 34:40], torch.tensor([34]), c1)
     chain = torch.ones(6, 6, dtype=torch.bool).tril().unsqueeze(0)
     assert torch.equal(model(ids[:, 34:40], torch.tensor([34]), c2, tree_mask=chain), plain)
+
+
+def test_runtime_bench_reports_the_draft_step_as_a_fraction_of_the_target(tiny_pair, capsys):
+    from specdecode.bench.runtime import run_runtime_bench
+
+    target, draft = (str(m.source) for m in tiny_pair)
+    rows = run_runtime_bench([target], ["float32"], ks=[1, 2], repeats=1, with_hf=False, bit_exact=False,
+                             context=20, draft=draft, draft_vocab=32)
+    drafts = [r for r in rows if r["engine"] == "specdecode draft"]
+    assert len(drafts) == 1 and drafts[0]["head_rows"] == 32 and set(drafts[0]["ms"]) == {1, 2}
+    (ours,) = [r for r in rows if r["engine"] == "specdecode"]
+    assert ours["draft_step_fraction"] == drafts[0]["ms"][1] / ours["ms"][1]
+    assert "draft one-token step / " in capsys.readouterr().out

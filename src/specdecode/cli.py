@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import InvalidRequestError, SpecDecodeError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -141,9 +141,11 @@ def _runtime_bench(args: argparse.Namespace) -> int:
 
     for quant in args.quants:
         parse_quant(quant)  # a typo fails now, not after the first model's measurements
+    if args.draft_vocab is not None and args.draft is None:
+        raise InvalidRequestError("--draft-vocab sets the lm_head of the --draft model: name one")
     run_runtime_bench(args.models, args.dtypes, context=args.context, ks=args.ks, repeats=args.repeats,
                       with_hf=not args.no_hf, bit_exact=args.bit_exact, quants=args.quants,
-                      with_llama_cpp=args.llama_cpp)
+                      with_llama_cpp=args.llama_cpp, draft=args.draft, draft_vocab=args.draft_vocab)
     return 0
 
 
@@ -378,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--quants", nargs="+", default=["none"], metavar="QUANT",
                     help="our engine with each weight quantization: none int8 int4 int4-g64 int4-g128 int4-amx w4a8 w8a8")
     rb.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF (llama-cpp-python)")
+    rb.add_argument("--draft", default=None, metavar="MODEL",
+                    help="also MODEL loaded as a draft (its own lm_head) and its one-token step as a fraction of the "
+                         "targets'")
+    rb.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="the draft's lm_head: the first N ids")
     rb.set_defaults(func=_runtime_bench)
     return parser
 

@@ -30,20 +30,25 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, width: int | None,
-          quant: str = "none") -> dict:
-    from specdecode.builder import target_head_quant
+          quant: str = "none", as_draft: bool = False, draft_vocab: int | None = None) -> dict:
+    """as_draft: load the model as `builder.load_draft` does (its lm_head as narrow as its blocks, only its first
+    draft_vocab rows if given), else as a target (its lm_head wider, see `builder.target_head_quant`)."""
+    from specdecode.builder import load_draft, target_head_quant
     from specdecode.models.loading import load_model
 
     t = time.perf_counter()
-    m = load_model(model, dtype=dtype, decode_width=width, with_tokenizer=False, quant=quant,
-                   head_quant=target_head_quant(quant)).model  # every model as a target
+    if as_draft:
+        m = load_draft(model, dtype=dtype, quant=quant, vocab=draft_vocab).model
+    else:
+        m = load_model(model, dtype=dtype, decode_width=width, with_tokenizer=False, quant=quant,
+                       head_quant=target_head_quant(quant)).model
     load_s = time.perf_counter() - t
     ids = torch.randint(0, m.config.vocab_size, (1, context + max(ks)))
     cache = m.new_cache(1, context + max(ks))
     m(ids[:, :context], torch.tensor([0]), cache, num_logits=0)
     start = torch.tensor([context])
     ms = {k: _median_ms(lambda k=k: m(ids[:, context:context + k], start, cache), repeats) for k in ks}
-    return {"load_s": load_s, "ms": ms}
+    return {"load_s": load_s, "ms": ms, "head_rows": m.lm_head.out_features}
 
 
 def _hf(model: str, dtype: str, context: int, ks: list[int], repeats: int) -> dict:
@@ -89,22 +94,23 @@ def _llama_cpp(model: str, context: int, ks: list[int], repeats: int) -> dict:
 
 
 def _child(queue, engine: str, model: str, dtype: str, context: int, ks: list[int], repeats: int,
-           width: int | None, quant: str) -> None:
+           width: int | None, quant: str, as_draft: bool, draft_vocab: int | None) -> None:
     if engine == "transformers":
         result = _hf(model, dtype, context, ks, repeats)
     elif engine == "llama.cpp":
         result = _llama_cpp(model, context, ks, repeats)
     else:
-        result = _ours(model, dtype, context, ks, repeats, width, quant)
+        result = _ours(model, dtype, context, ks, repeats, width, quant, as_draft, draft_vocab)
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     queue.put(result)
 
 
 def measure(engine: str, model: str, dtype: str, context: int, ks: list[int], repeats: int,
-            width: int | None, quant: str = "none") -> dict:
+            width: int | None, quant: str = "none", as_draft: bool = False, draft_vocab: int | None = None) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(q, engine, model, dtype, context, ks, repeats, width, quant))
+    p = ctx.Process(target=_child, args=(q, engine, model, dtype, context, ks, repeats, width, quant, as_draft,
+                                              draft_vocab))
     p.start()
     p.join()
     if p.exitcode != 0 or q.empty():
@@ -114,8 +120,11 @@ def measure(engine: str, model: str, dtype: str, context: int, ks: list[int], re
 
 def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 500, ks: list[int] | None = None,
                       repeats: int = 20, with_hf: bool = True, bit_exact: bool = True, quants: list[str] | None = None,
-                      with_llama_cpp: bool = False) -> list[dict]:
-    """ms per forward of k tokens after `context`, per model, dtype and quant, ours beside the peers."""
+                      with_llama_cpp: bool = False, draft: str | None = None, draft_vocab: int | None = None
+                      ) -> list[dict]:
+    """ms per forward of k tokens after `context`, per model, dtype and quant, ours beside the peers.
+    draft: also that model loaded as a draft (the head it drafts with; `draft_vocab` rows of it), per dtype and quant,
+    and its one-token step as a fraction of each target's (the cost of a drafted token against a target step)."""
     from specdecode.builder import VERIFY_WIDTH
     from specdecode.models.catalog import resolve
 
@@ -146,4 +155,21 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
                   + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
                   + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
             rows.append({"model": model, "dtype": dtype, "quant": quant, "engine": name, **r})
+    if draft is not None:
+        for dtype in dtypes:
+            for quant in quants or ["none"]:
+                r = measure("ours", draft, dtype, context, ks, repeats, None, quant, True, draft_vocab)
+                ms = r["ms"]
+                print(f"| {draft} | {dtype} | {quant} | specdecode draft (vocab {draft_vocab or 'all'}) | "
+                      f"{r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | " + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
+                      + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
+                rows.append({"model": draft, "dtype": dtype, "quant": quant, "engine": "specdecode draft",
+                             "draft_vocab": draft_vocab, **r})
+        for d in (row for row in rows if row["engine"] == "specdecode draft"):
+            for t in rows:
+                if t["engine"].startswith("specdecode") and t["engine"] != "specdecode draft" and \
+                        (t["dtype"], t["quant"]) == (d["dtype"], d["quant"]) and 1 in t["ms"] and 1 in d["ms"]:
+                    t.setdefault("draft_step_fraction", d["ms"][1] / t["ms"][1])
+                    print(f"draft one-token step / {t['model']} ({t['engine']}, {t['dtype']}, {t['quant']}): "
+                          f"{d['ms'][1]:.1f} / {t['ms'][1]:.1f} ms = {t['draft_step_fraction']:.2f}")
     return rows
