@@ -222,7 +222,7 @@ def test_targets_of_our_int4_kernels_run_unpadded(tiny_pair, quant, head):
 @needs_ops
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # a qkv bias, and none
-def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(tmp_path, arch, dtype):
+def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(tmp_path, monkeypatch, arch, dtype):
     """kernels/layer.cpp runs a W4A8 layer in one call: the same logits and cache writes as the layer's ops called
     one by one from Python, for batches in any cache rows and steps of 1..16 tokens."""
     hf = tiny_hf_model(arch, seed=3, hidden=128, layers=2)
@@ -231,8 +231,11 @@ def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(tmp_path, arc
             if name.endswith("bias"):  # transformers initializes them to zero
                 p.normal_(0, 0.5)
     save_tiny(tmp_path, hf, tiny_tokenizer())
+    one_layer = decode_ops.w4a8_layer
     model = load_model(tmp_path, dtype=dtype, quant="w4a8").model
     assert model.fused_ops and all(block.one_call for block in model.blocks)
+    calls = []
+    monkeypatch.setattr(decode_ops, "w4a8_layer", lambda *args: calls.append(1) or one_layer(*args))
     tokens = torch.randint(0, 64, (2, 47), generator=torch.Generator().manual_seed(2))
     runs = []
     for one_call in (True, False):
@@ -244,16 +247,23 @@ def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(tmp_path, arc
             outs.append(model(tokens[:, int(start[0]):int(start[0]) + T], start, cache, rows=rows))
             start = start + T
         runs.append((outs, cache))
+    assert len(calls) == 6 * len(model.blocks)  # every step ran the one-call layers, then none did
     (fast, fast_cache), (slow, slow_cache) = runs
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
     assert torch.equal(fast_cache.k, slow_cache.k) and torch.equal(fast_cache.v, slow_cache.v)
 
 
 @needs_ops
-def test_one_call_layers_only_where_every_linear_is_w4a8(tiny_pair):
-    assert not any(block.one_call for block in load_target(str(tiny_pair[0].source), quant="int4").model.blocks)
-    target = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant="w4a8").model
-    assert all(block.one_call for block in target.blocks) and not target.lm_head.quant == "w4a8"
+def test_one_call_layers_only_where_every_linear_is_w4a8_without_a_bias_the_kernel_would_drop(tiny_pair):
+    from specdecode.models.linear import W4A8Linear, W8A8Linear, make_linear
+
+    block = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant="w4a8").model.blocks[0]
+    parts = dict(cfg=block.cfg, qkv=block.qkv, o=block.o, gate_up=block.gate_up, down=block.down,
+                 attn_norm=block.attn_norm.data, mlp_norm=block.mlp_norm.data)
+    assert decoder.Block(**parts).one_call
+    o = block.o.dequantized().to(torch.bfloat16)
+    for other in (make_linear(o, None, "int4"), W8A8Linear.quantize(o), W4A8Linear.quantize(o, torch.ones(len(o)))):
+        assert not decoder.Block(**{**parts, "o": other}).one_call, type(other).__name__
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])

@@ -1,9 +1,11 @@
-"""Build our C++ kernels on first use with the machine's g++, once per source, CPU and torch version.
+"""Build our C++ kernels on first use with the machine's g++, once per extension, CPU and torch version.
 
 `-march=native` lets each build use what this CPU has (AVX2, AVX-512 VNNI/BF16, AMX); the sources pick
 their code path with the compiler's feature macros. `-fopenmp` makes `at::parallel_for` (inlined from
 ATen's headers into the extension) actually run on torch's threads; without it, it runs on one.
-Where a build fails (no compiler, no ninja, an old assembler), the caller gets None and a warning.
+Where a build fails (no compiler, no ninja, an old assembler), the caller gets None and a warning: for the CPU
+library (w4a8 + decode ops + layer) that means both w4a8's slow pure-torch reference and the decoder's PyTorch ops
+with padding (still lossless, slower); int4-amx is its own extension.
 The extensions link no OpenMP runtime of their own: they use the one torch's wheel loads.
 """
 
@@ -35,13 +37,14 @@ CPU_HEADERS = (KERNELS / "cpu_ops.h",)
 def cpu_extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
     """Our CPU kernels (w4a8, the decode ops, the one-call w4a8 layer) as one extension, or None with a warning.
     isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 paths on an AVX-512 CPU (tests)."""
-    return build("cpu", CPU_SOURCES, isa_flags, CPU_HEADERS)
+    return build("cpu", CPU_SOURCES, isa_flags, CPU_HEADERS, "w4a8 then runs its slow pure-torch reference and the "
+                 "decoder PyTorch's ops, padded in bit-exact mode")
 
 
-def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (),
-          headers: Sequence[Path] = ()) -> ModuleType | None:
-    """`sources` compiled into one extension (into `<cache dir>/kernels/`), or None with a warning.
-    Rebuilt when a source or header, this CPU's flags, the compiler flags or torch change."""
+def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (), headers: Sequence[Path] = (),
+          without: str = "") -> ModuleType | None:
+    """`sources` compiled into one extension (into `<cache dir>/kernels/`), or None with a warning that says what
+    runs `without` it. Rebuilt when a source or header, this CPU's flags, the compiler flags or torch change."""
     from torch.utils import cpp_extension
 
     from specdecode.cpu import cpu_info
@@ -64,9 +67,8 @@ def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (),
         return cpp_extension.load(name=module, sources=[str(s) for s in sources], build_directory=str(build_dir),
                                   verbose=False, extra_cflags=[*FLAGS, *isa_flags])
     except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
-        warnings.warn(f"the {name} C++ kernels could not be built in {build_dir} (w4a8 then runs its slow "
-                      f"pure-torch reference; int4-amx and int8-amx are unavailable; the decoder keeps PyTorch's ops "
-                      f"and pads). The build said: ...{str(exc)[-1500:]}", stacklevel=3)
+        warnings.warn(f"the {name} C++ kernels could not be built in {build_dir} ({without}). The build said: "
+                      f"...{str(exc)[-1500:]}", stacklevel=2)
         return None
 
 
@@ -77,7 +79,7 @@ def build_for_cpu(source: Path, needs: set[str]) -> ModuleType | None:
 
     if not needs <= set(cpu_info()[1]):
         return None
-    ext = build(source.stem, (source,))
+    ext = build(source.stem, (source,), without=f"{source.stem} is unavailable")
     return ext if ext is not None and ext.available() else None
 
 

@@ -20,6 +20,10 @@ from specdecode.kernels.build import cpu_extension
 def extension() -> ModuleType | None:
     """The compiled ops where this CPU runs them (AVX-512, or AVX2 + FMA), else None: then the decoder uses PyTorch's
     ops."""
+    from specdecode.cpu import cpu_info
+
+    if not {"avx2", "fma"} <= set(cpu_info()[1]):  # the build would only say so: not worth compiling for
+        return None
     ext = cpu_extension()
     return ext if ext is not None and ext.available() else None
 
@@ -56,6 +60,7 @@ def w4a8_layer(x: torch.Tensor, attn_norm: torch.Tensor, mlp_norm: torch.Tensor,
                mask: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     """A decoder layer whose four linears are W4A8 (their `w4a8.Int4Weights`), in one C++ call (`layer.cpp`): the
     ops above and the linears in the order `decoder.Block` runs them, so the same bits without the interpreter
-    between them. x [B, T, D] contiguous; the other arguments as `rms_norm` and `rope_attention` take them."""
+    between them. x [B, T, D] and the step's tensors must be contiguous (the C++ checks; nothing is copied here);
+    the other arguments as `rms_norm` and `rope_attention` take them."""
     return extension().w4a8_layer(x, attn_norm, mlp_norm, eps, qkv, qkv_bias, o, gate_up, down, cos, sin, k_cache,
                                   v_cache, rows, slots, mask, heads, kv_heads)

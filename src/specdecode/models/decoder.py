@@ -118,7 +118,8 @@ class Block(nn.Module):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
         self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
-        # every linear our W4A8 kernel (the o, gate_up and down of this family have no bias): the fused path is one call
+        # every linear our W4A8 kernel (the o, gate_up and down of this family have no bias): the fused path is one
+        # call. Decided here, once: a layer whose linears are swapped later needs a new Block
         self.one_call = all(type(lin) is W4A8Linear and lin.row_invariant and (lin is qkv or lin.bias is None)
                             for lin in (qkv, o, gate_up, down))
 
