@@ -212,7 +212,7 @@ def test_the_invariance_check_catches_a_linear_that_wrongly_claims_row_invarianc
 
 
 @needs_ops
-@pytest.mark.parametrize("quant,head", [pytest.param("int4-amx", "int8-amx", marks=needs_amx), ("w4a8", "w8a8")])
+@pytest.mark.parametrize("quant,head", [pytest.param("int4-amx", "int8-amx", marks=needs_amx), ("w4a8", "w6a8")])
 def test_targets_of_our_int4_kernels_run_unpadded(tiny_pair, quant, head):
     target = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant=quant).model
     assert target.fused_ops and target.rows_independent and target.decode_width == 9

@@ -142,7 +142,7 @@ def test_cli_rejects_bad_drafting_before_loading_anything(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module", params=[("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"), ("bfloat16", "w4a8"),
-                                        ("float32", "w8a8"),
+                                        ("float32", "w8a8"), ("bfloat16", "w6a8"),
                                         ("bfloat16", "int4"), pytest.param(("bfloat16", "int4-amx"), marks=needs_amx),
                                         pytest.param(("float32", "int4-amx"), marks=needs_amx),
                                         pytest.param(("bfloat16", "int8-amx"), marks=needs_amx)],

@@ -1,5 +1,5 @@
-"""The W4A8 C++ kernel and its int8-weight twin W8A8: exactly the pure-torch reference's arithmetic, bit-exact
-across k, close to the float matmul."""
+"""The W4A8 C++ kernel and its int8- and 6-bit-weight twins W8A8 and W6A8: exactly the pure-torch reference's
+arithmetic, bit-exact across k, close to the float matmul."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import pytest
 import torch
 
 from specdecode.kernels import w4a8
-from specdecode.models.linear import W4A8Linear, W8A8Linear, invariant_rows
+from specdecode.models.linear import W4A8Linear, W6A8Linear, W8A8Linear, invariant_rows
 
 SHAPES = [(96, 64), (40, 96), (33, 100), (70, 1536), (24, 200)]  # widths that are not multiples of 32 or 64 too
-PACKERS = {"w4": w4a8.quantize_weight, "w8": w4a8.quantize_weight8}
+PACKERS = {"w4": w4a8.quantize_weight, "w6": w4a8.quantize_weight6, "w8": w4a8.quantize_weight8}
+
+
+def kernel_of(ext, weights):
+    """The extension's kernel for these packed weights (int4, 6-bit or int8)."""
+    return {w4a8.Int4Weights: ext.w4a8_mm, w4a8.Int6Weights: ext.w6a8_mm, w4a8.Int8Weights: ext.w8a8_mm}[type(weights)]
 
 
 def mm(ext, x, weights):
-    """The extension's kernel for these packed weights (int4 or int8)."""
-    return (ext.w4a8_mm if isinstance(weights, w4a8.Int4Weights) else ext.w8a8_mm)(x, *weights)
+    return kernel_of(ext, weights)(x, *weights)
 
 
 def reference(ext, x, weights):
@@ -60,7 +64,7 @@ def test_kernel_equals_the_reference_for_every_k(ext, N, K, bits):
         assert torch.equal(mm(ext, x[:k], weights), reference(ext, x[:k], weights)), k
 
 
-@pytest.mark.parametrize("layer", [W4A8Linear, W8A8Linear])
+@pytest.mark.parametrize("layer", [W4A8Linear, W6A8Linear, W8A8Linear])
 @pytest.mark.parametrize("N,K", SHAPES[:3])
 def test_each_row_is_what_it_is_alone(ext, N, K, layer):
     weight, x = _case(N, K, seed=1)
@@ -147,6 +151,23 @@ def test_int8_weights_are_q8_0_like_and_close(ext):
     exact = x @ weight.T
     err = (ext.w8a8_mm(x, *weights) - exact).norm() / exact.norm()
     assert err < 0.02  # int8 weights and int8 activations: about 1% on Gaussian weights
+
+
+def test_6bit_weights_are_int8_ones_of_7_bits(ext):
+    """W6A8 is W8A8's arithmetic on q in -31..31: the same bits as the int8 kernel on the same q, 48 bytes per pair."""
+    weight, x = _case(64, 300, seed=7)  # 300: a partial last pair
+    weights = w4a8.quantize_weight6(weight)
+    packed, scale = weights
+    assert packed.dtype == torch.uint8 and packed.shape == (64, 5 * 48) and scale.shape == (64, 10)
+    as8 = weights.as_int8()
+    assert int(as8.packed.abs().max()) == 31
+    for k in (1, 3, 8, 9, 16):
+        assert torch.equal(ext.w6a8_mm(x[:k], *weights), ext.w8a8_mm(x[:k], *as8)), k
+    deq = w4a8.dequantize(weights, 300)  # close to the weights: no position packed into another's place
+    step = scale.repeat_interleave(32, dim=1)[:, :300]
+    assert ((deq - weight).abs() <= step / 2 + 1e-7).all()
+    exact = x @ weight.T
+    assert (ext.w6a8_mm(x, *weights) - exact).norm() / exact.norm() < 0.04
 
 
 # every instruction-set path this CPU can run, each against the same reference
@@ -246,7 +267,7 @@ def test_any_leading_shape_and_bias_dtype(ext, bits, bias_dtype, out_dtype):
     def want(rows):  # [k, K] -> [k, N]
         return (mm(ext, rows, weights) + plus).to(out_dtype)
 
-    kernel = ext.w4a8_mm if bits == "w4" else ext.w8a8_mm
+    kernel = kernel_of(ext, weights)
     x3 = x[:12].view(3, 4, 96).transpose(0, 1)  # [4, 3, 96], not contiguous
     assert torch.equal(kernel(x3, *weights, bias, out_dtype), want(x3.reshape(12, 96)).view(4, 3, 40))
     assert torch.equal(kernel(x[5], *weights, bias, out_dtype), want(x[5:6])[0])  # one row, [K]

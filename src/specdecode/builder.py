@@ -64,9 +64,9 @@ def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_ex
 
 def target_head_quant(quant: str) -> str:
     """A target's lm_head stays wider than its blocks (as llama.cpp's Q4_K_M keeps a 6-bit output layer): dense,
-    except beside our row-invariant int4 kernels, where int8 in the same kernel reads half the bytes of bf16
-    (a quarter of float32) and needs no padding rows: int8-amx beside int4-amx, w8a8 beside w4a8."""
-    return {"int4-amx": "int8-amx", "w4a8": "w8a8"}.get(parse_quant(quant)[0], "none")
+    except beside our row-invariant int4 kernels, where a narrower head in the same kernel reads fewer bytes than
+    bf16 and needs no padding rows: int8-amx beside int4-amx, 6-bit w6a8 beside w4a8."""
+    return {"int4-amx": "int8-amx", "w4a8": "w6a8"}.get(parse_quant(quant)[0], "none")
 
 
 def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "auto",

@@ -21,11 +21,13 @@ from specdecode.models.linear import Linear, invariant_rows, kernel_available
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
-           ("bfloat16", "int4-amx"), ("bfloat16", "int8-amx"), ("bfloat16", "w4a8"), ("bfloat16", "w8a8"),
+           ("bfloat16", "int4-amx"), ("bfloat16", "int8-amx"), ("bfloat16", "w4a8"), ("bfloat16", "w6a8"),
+           ("bfloat16", "w8a8"),
            ("float32", "int8")]
 KS = tuple(range(1, 17))
 BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32, "int4-amx": 0.5 + 4 / 32,
-                    "int8-amx": 1.0 + 4 / 1536, "w4a8": 0.5 + 4 / 32, "w8a8": 1.0 + 4 / 32}  # + scales
+                    "int8-amx": 1.0 + 4 / 1536, "w4a8": 0.5 + 4 / 32, "w6a8": 0.75 + 4 / 32,
+                    "w8a8": 1.0 + 4 / 32}  # + scales
 W4A8_SUPER_BYTES = 0.5 + 16 / 256  # w4a8 where the kernel reads super-blocks: a float, an int32, 8 int8 per 256
 
 
@@ -100,7 +102,8 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
         except Exception as exc:  # noqa: BLE001  a kernel this torch build or CPU lacks, or a shape it refuses
             kernels.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
             continue
-        name = type(layers[0]).__name__ + (f"({w4a8.extension().simd_path()})" if quant in ("w4a8", "w8a8") else "")
+        ours = quant in ("w4a8", "w6a8", "w8a8")
+        name = type(layers[0]).__name__ + (f"({w4a8.extension().simd_path()})" if ours else "")
         kernels.append({"name": f"{name}/{dtype}", "dtype": dtype, "quant": quant,
                         "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
                         "bit_exact": row_invariant(layers[0]),

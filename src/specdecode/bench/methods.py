@@ -66,7 +66,7 @@ class MethodSpec:
                     parse_quant(option)
                 except InvalidRequestError:
                     raise InvalidRequestError(f"{option!r} in method {text!r} is neither a dtype "
-                                              f"({', '.join(DTYPES)}) nor a quantization (none, int8, int4[-gG], int4-amx[-gG], int8-amx, w4a8, w8a8)") from None
+                                              f"({', '.join(DTYPES)}) nor a quantization (none, int8, int4[-gG], int4-amx[-gG], int8-amx, w4a8, w6a8, w8a8)") from None
                 quant = option
         if quant != "none" and kind not in OURS:
             raise InvalidRequestError(f"{text!r}: peers run their own weights; quantization applies to our methods")

@@ -24,9 +24,13 @@
 // operations whatever k is, so the kernel is bit-exact across k by construction. Built with -ffp-contract=off: a fused
 // multiply-add would round differently.
 //
-// W8A8 (w8a8_mm, a w4a8 target's lm_head): blocks of 32 with a float32 scale each, the pairs and register order
-// above, one signed byte per weight (q in -127..127, 64 bytes per pair), activations in blocks of 32, and the
-// VNNI arithmetic in 8 lanes on every path: lane[l] = the sum of its products q_w * q.
+// W8A8 (w8a8_mm): blocks of 32 with a float32 scale each, the pairs and register order above, one signed byte per
+// weight (q in -127..127, 64 bytes per pair), activations in blocks of 32, and the VNNI arithmetic in 8 lanes on
+// every path: lane[l] = the sum of its products q_w * q.
+// W6A8 (w6a8_mm, a w4a8 target's lm_head): the same arithmetic on 6-bit weights (q in -31..31, stored u = q + 32)
+// in 48 bytes per pair: 32 bytes of low nibbles as the int4 layout (byte i: positions i and 32 + i), then 16 bytes
+// of the two high bits, byte b holding positions b, 16 + b, 32 + b and 48 + b in bits 0-1, 2-3, 4-5 and 6-7. The
+// kernel rebuilds the int8 q and runs the W8A8 code: the same bits as W8A8 on the same q.
 
 #include "cpu_ops.h"
 
@@ -43,6 +47,7 @@ namespace {
 constexpr int kBlock = 32;
 constexpr int kPair = 64;
 constexpr int kSuper = 4;  // pairs per super-block: 256 inputs
+constexpr int kPair6 = 48;  // bytes of a pair of 6-bit weights
 constexpr int kMaxChunk = 8;  // tokens per pass over a weight row: accumulators must stay in registers
 constexpr int kPrefetch = 2048;  // bytes ahead in a row's weights
 constexpr int64_t kRowBlock = 16;  // weight rows per block of the loop over tokens
@@ -242,21 +247,55 @@ constexpr int kLanes4 = 8;
 #endif
 
 #if defined(__AVX2__)
-// int8 weights on AVX2 and AVX-512 CPUs: signed weights, each product as |w| * (q * sign(w)) as llama.cpp's
-// Q8_0 x Q8_0 (|2 * 127 * 127| fits int16). Lane l of a pair's 8: the products at positions 4l..4l+3 and
-// 32+4l..32+4l+3.
-template <int T>
+// 6-bit weights multiply as u = q + 32 where the records hold each 8-position lane's -8 * sum(q) (AVX2 builds):
+// unsigned bytes need no sign trick, and adding 4 * that takes 32 * sum(q) off again, so the integer lanes are
+// those of q. AVX-512 builds' records count 16 lanes of 4: there u - 32 takes the int8 path.
+#ifdef SPECDECODE_VNNI
+constexpr bool kUnsigned6 = false;
+#else
+constexpr bool kUnsigned6 = true;
+#endif
+
+// The 64 weights of a pair in register order (positions 0..31, 32..63): 8-bit ones as stored (q), 6-bit ones rebuilt
+// from their nibbles and high bits (see the top of this file) as u = q + 32
+template <int Bits>
+inline void load_pair(const uint8_t* pair, __m256i& w0, __m256i& w1) {
+  if constexpr (Bits == 8) {
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
+  } else {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+    const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 32)));
+    const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    // positions 0..15 and 16..31 take bits 0-1 and 2-3 of the high bytes; 32..47 and 48..63 bits 4-5 and 6-7
+    const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi32(hi, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), two);
+    const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi32(hi, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), two);
+    w0 = _mm256_or_si256(_mm256_and_si256(lo, nibble), _mm256_slli_epi16(h0, 4));
+    w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble), _mm256_slli_epi16(h1, 4));
+  }
+}
+
+// int8 (and 6-bit) weights on AVX2 and AVX-512 CPUs: signed weights, each product as |w| * (q * sign(w)) as
+// llama.cpp's Q8_0 x Q8_0 (|2 * 127 * 127| fits int16). Lane l of a pair's 8: the products at positions 4l..4l+3
+// and 32+4l..32+4l+3.
+template <int T, int Bits>
 void row_chunk8(const Row& row, int64_t npairs, const Chunk& c, float* out, int64_t ostride) {
+  constexpr int64_t kBytes = Bits == 8 ? kPair : kPair6;
   const PairRecord* rec = c.rec;
   __m256 acc[T];  // 8 lanes per token
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t p = 0; p < npairs; ++p, rec += kMaxChunk) {
-    const uint8_t* pair = row.w + p * kPair;
+    const uint8_t* pair = row.w + p * kBytes;
     _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetch), _MM_HINT_T0);
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
-    const __m256i abs0 = _mm256_sign_epi8(w0, w0), abs1 = _mm256_sign_epi8(w1, w1);
+    __m256i w0, w1;
+    load_pair<Bits>(pair, w0, w1);
+    constexpr bool kUnsigned = Bits == 6 && kUnsigned6;
+    if constexpr (Bits == 6 && !kUnsigned) {
+      w0 = _mm256_sub_epi8(w0, _mm256_set1_epi8(32));
+      w1 = _mm256_sub_epi8(w1, _mm256_set1_epi8(32));
+    }
+    const __m256i abs0 = kUnsigned ? w0 : _mm256_sign_epi8(w0, w0), abs1 = kUnsigned ? w1 : _mm256_sign_epi8(w1, w1);
     double two_scales;
     std::memcpy(&two_scales, row.wscale + 2 * p, sizeof two_scales);
     const __m256 wsv = _mm256_castpd_ps(_mm256_set1_pd(two_scales));  // [s0, s1, s0, s1, ...]
@@ -264,9 +303,15 @@ void row_chunk8(const Row& row, int64_t npairs, const Chunk& c, float* out, int6
       const PairRecord& r = rec[t];
       const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q));
       const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.q + 32));
-      const __m256i lanes =
-          _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(q0, w0)), ones),
-                           _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(q1, w1)), ones));
+      __m256i lanes;
+      if constexpr (kUnsigned)  // (|2 * 63 * 127| fits int16)
+        lanes = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(abs0, q0), ones),
+                             _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, q1), ones)),
+            _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.neg8)), 2));
+      else
+        lanes = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(q0, w0)), ones),
+                                 _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(q1, w1)), ones));
       std::memcpy(&two_scales, r.scale, sizeof two_scales);
       const __m256 d = _mm256_mul_ps(wsv, _mm256_castpd_ps(_mm256_set1_pd(two_scales)));
       acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), d));
@@ -333,22 +378,26 @@ void row_chunk(const Row& row, int64_t npairs, const Chunk& c, float* out, int64
 #endif
 
 #else  // neither AVX2 nor AVX-512: the same arithmetic in scalar code
-// the register value at position j of a pair: int4 weights (u, two per byte) or int8 ones
+// the register value at position j of a pair: int4 weights (u, two per byte), int8 ones, or 6-bit ones (q)
 inline int32_t weight_at(const uint8_t* w, int j, int bits) {
   if (bits == 8) return reinterpret_cast<const int8_t*>(w)[j];
-  return j < 32 ? (w[j] & 0x0F) : (w[j - 32] >> 4);
+  const int32_t nibble = j < 32 ? (w[j] & 0x0F) : (w[j - 32] >> 4);
+  if (bits == 4) return nibble;
+  return (nibble | ((w[32 + j % 16] >> (2 * (j / 16))) & 3) << 4) - 32;
 }
 
-template <int T>
+template <int T, int Bits>
 void row_chunk8(const Row& row, int64_t npairs, const Chunk& c, float* out, int64_t ostride) {
+  constexpr int64_t kBytes = Bits == 8 ? kPair : kPair6;
   for (int t = 0; t < T; ++t) {
     float acc[8] = {0.f};
     for (int64_t p = 0; p < npairs; ++p) {
       const PairRecord& r = c.rec[p * kMaxChunk + t];
+      const uint8_t* w = row.w + p * kBytes;
       for (int l = 0; l < 8; ++l) {
         int32_t lane = 0;
         for (int j = 4 * l; j < 4 * l + 4; ++j)
-          lane += weight_at(row.w + p * kPair, j, 8) * r.q[j] + weight_at(row.w + p * kPair, j + 32, 8) * r.q[j + 32];
+          lane += weight_at(w, j, Bits) * r.q[j] + weight_at(w, j + 32, Bits) * r.q[j + 32];
         const float d = row.wscale[2 * p + l % 2] * r.scale[l % 2];
         acc[l] = acc[l] + static_cast<float>(lane) * d;
       }
@@ -386,8 +435,10 @@ void row_chunk(const Row& row, int64_t npairs, const Chunk& c, float* out, int64
 using RowFn = void (*)(const Row&, int64_t, const Chunk&, float*, int64_t);
 const RowFn kChunks[kMaxChunk + 1] = {nullptr, row_chunk<1>, row_chunk<2>, row_chunk<3>, row_chunk<4>,
                                       row_chunk<5>, row_chunk<6>, row_chunk<7>, row_chunk<8>};
-const RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1>, row_chunk8<2>, row_chunk8<3>, row_chunk8<4>,
-                                       row_chunk8<5>, row_chunk8<6>, row_chunk8<7>, row_chunk8<8>};
+template <int Bits>
+constexpr RowFn kChunks8[kMaxChunk + 1] = {nullptr, row_chunk8<1, Bits>, row_chunk8<2, Bits>, row_chunk8<3, Bits>,
+                                           row_chunk8<4, Bits>, row_chunk8<5, Bits>, row_chunk8<6, Bits>,
+                                           row_chunk8<7, Bits>, row_chunk8<8, Bits>};
 
 // whether int4 weights take the super-block arithmetic in this build
 constexpr bool kSuperPath = kLanes4 == 8;
@@ -482,12 +533,12 @@ struct Output {
 };
 
 void check_weights(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& wscale, int bits) {
-  const auto dtype = bits == 4 ? torch::kUInt8 : torch::kInt8;
+  const auto dtype = bits == 8 ? torch::kInt8 : torch::kUInt8;
   check_inputs(x);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && wscale.device().is_cpu(),
               "the W4A8 kernel runs on the CPU");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == dtype && packed.is_contiguous(),
-              "packed must be contiguous [N, Kp * ", bits, " / 8] ", bits == 4 ? "uint8" : "int8");
+              "packed must be contiguous [N, Kp * ", bits, " / 8] ", bits == 8 ? "int8" : "uint8");
   const int64_t K = x.size(-1), Kp = packed.size(1) * 8 / bits;
   TORCH_CHECK(Kp % kPair == 0 && Kp >= K && Kp - K < kPair, "packed width ", Kp, " does not fit inputs of ", K);
   // int4 weights on the super-block path do not read the block scales: they may be left out ([N, 0])
@@ -585,14 +636,28 @@ torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   const int64_t N = packed.size(0), Kp = packed.size(1);
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   const float* ws = wscale.data_ptr<float>();
-  return matmul(x, N, Kp, false, kChunks8,
+  return matmul(x, N, Kp, false, kChunks8<8>,
                 [&](int64_t n) { return Row{w + n * Kp, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; },
+                Output(x, N, bias, dtype));
+}
+
+// x: [..., K] float32 or bfloat16; packed: [N, Kp * 3 / 4] uint8 (48 bytes per pair); wscale: [N, Kp / 32] float32;
+// bias: [N] or None -> [..., N] in dtype
+torch::Tensor w6a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, c10::optional<torch::Tensor> bias,
+                      c10::optional<at::ScalarType> dtype) {
+  check_weights(x, packed, wscale, 6);
+  const int64_t N = packed.size(0), Kp = packed.size(1) * 8 / 6, bytes = packed.size(1);
+  TORCH_CHECK(bytes % kPair6 == 0, "6-bit weights take 48 bytes per pair of blocks");
+  const auto* w = packed.data_ptr<uint8_t>();
+  const float* ws = wscale.data_ptr<float>();
+  return matmul(x, N, Kp, false, kChunks8<6>,
+                [&](int64_t n) { return Row{w + n * bytes, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; },
                 Output(x, N, bias, dtype));
 }
 
 std::string simd_path() { return kPath; }
 
-// the lanes L of the arithmetic (see the top of this file) for 4- or 8-bit weights
+// the lanes L of the arithmetic (see the top of this file) for 4-, 6- or 8-bit weights
 int64_t lanes(int64_t bits) { return bits == 4 ? kLanes4 : 8; }
 
 void bind_w4a8(pybind11::module_& m) {
@@ -602,9 +667,12 @@ void bind_w4a8(pybind11::module_& m) {
   m.def("w8a8_mm", &w8a8_mm, "int8 weights x int8 activations, [..., K] x [N, K]^T (+ bias) -> [..., N] in dtype",
         py::arg("x"), py::arg("packed"), py::arg("wscale"), py::arg("bias") = py::none(),
         py::arg("dtype") = py::none());
+  m.def("w6a8_mm", &w6a8_mm, "6-bit weights x int8 activations, [..., K] x [N, K]^T (+ bias) -> [..., N] in dtype",
+        py::arg("x"), py::arg("packed"), py::arg("wscale"), py::arg("bias") = py::none(),
+        py::arg("dtype") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 per token in spans of 32 or 256 inputs");
   m.def("simd_path", &simd_path, "which instruction set the kernel was built for");
-  m.def("lanes", &lanes, "how many float lanes each output sums, for 4- or 8-bit weights (16: the per-block "
+  m.def("lanes", &lanes, "how many float lanes each output sums, for 4-, 6- or 8-bit weights (16: the per-block "
                          "VNNI arithmetic; 8 for int4: the super-block one)");
 }
 

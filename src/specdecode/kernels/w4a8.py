@@ -29,6 +29,7 @@ from specdecode.kernels.build import cpu_extension
 
 BLOCK = 32  # inputs per weight scale (and per activation scale on the per-block arithmetic)
 PAIR = 64  # two blocks: the unit the kernel packs and multiplies
+PAIR6 = 48  # bytes of a pair of 6-bit weights
 SUPER = 256  # inputs per super-block: one float scale D, and an int8 sub-scale per block of 32
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes; others go through float32
 # register position j of a pair holds element ELEMENT_OF[j]: lane j // 4 holds block (j // 4) % 2 (see w4a8.cpp)
@@ -61,7 +62,28 @@ class Int8Weights(NamedTuple):
         return self.scale
 
 
-Weights = Union[Int4Weights, Int8Weights]
+class Int6Weights(NamedTuple):
+    """6-bit weights (q in -31..31) with a float32 scale per block of 32: the W8A8 arithmetic on 7 bits per weight
+    instead of 9 (a w4a8 target's lm_head, a quarter of its bytes)."""
+
+    packed: torch.Tensor  # [N, Kp * 3 / 4] uint8: per pair, 32 bytes of low nibbles of u = q + 32, 16 of high bits
+    scale: torch.Tensor  # [N, Kp / 32] float32
+
+    def block_scales(self) -> torch.Tensor:
+        return self.scale
+
+    def as_int8(self) -> Int8Weights:
+        """The same q as int8 weights: what the kernel multiplies, for the reference and for dequantizing."""
+        N = self.packed.shape[0]
+        pairs = self.packed.view(N, -1, PAIR6)
+        lo, hi = pairs[..., :32], pairs[..., 32:]
+        nibbles = torch.cat([lo & 0x0F, lo >> 4], dim=-1)  # [N, pairs, 64] positions 0..63
+        high = torch.cat([(hi >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)  # positions b + 16 i
+        q = (nibbles | (high << 4)).to(torch.int8) - 32
+        return Int8Weights(q.reshape(N, -1).contiguous(), self.scale)
+
+
+Weights = Union[Int4Weights, Int6Weights, Int8Weights]
 
 
 def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
@@ -143,6 +165,20 @@ def quantize_weight8(weight: torch.Tensor) -> Int8Weights:
     return Int8Weights(packed, scale.view(N, -1).contiguous())
 
 
+def quantize_weight6(weight: torch.Tensor) -> Int6Weights:
+    """[N, K] -> Int6Weights: per block of 32, scale = amax / 31, q = round(w / scale) in -31..31, in register order
+    per pair of blocks, u = q + 32 split into the low nibbles (as the int4 layout) and the two high bits."""
+    N, K = weight.shape
+    w = torch.nn.functional.pad(weight.float(), (0, padded_width(K) - K)).view(N, -1, BLOCK)
+    scale = w.abs().amax(-1, keepdim=True) / 31
+    q = torch.where(scale != 0, torch.round(w / scale), 0).clamp(-31, 31)
+    u = (q + 32).to(torch.uint8).view(N, -1, PAIR)[..., ELEMENT_OF]  # [N, pairs, 64] in register order
+    lo = (u[..., :32] & 0x0F) | ((u[..., 32:] & 0x0F) << 4)
+    h = (u >> 4).view(N, -1, 4, 16)  # positions 16 i + b
+    hi = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)
+    return Int6Weights(torch.cat([lo, hi], dim=-1).reshape(N, -1).contiguous(), scale.view(N, -1).contiguous())
+
+
 def _registers(packed: torch.Tensor) -> torch.Tensor:
     """Packed weights in register order, as the integers the kernel multiplies: [N, pairs, 64].
     int4 ([N, Kp / 2] uint8): u = q + 8; int8 ([N, Kp] int8): q."""
@@ -163,7 +199,9 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(weights: Weights, in_features: int) -> torch.Tensor:
-    """int4 or int8 packed weights -> [N, in_features] float32."""
+    """int4, 6-bit or int8 packed weights -> [N, in_features] float32."""
+    if isinstance(weights, Int6Weights):
+        weights = weights.as_int8()
     packed = weights.packed
     q = unpack(packed).float().view(packed.shape[0], -1, BLOCK) - _offset(packed)
     return (q * weights.block_scales().unsqueeze(-1)).reshape(packed.shape[0], -1)[:, :in_features]
@@ -186,7 +224,10 @@ def reference_mm(x: torch.Tensor, weights: Weights, lanes: int = 8, rows_per_chu
     """What the C++ kernel computes, operation for operation (see w4a8.cpp), for int4 or int8 weights, in `lanes`
     float lanes (the extension's `lanes(bits)`: 16 for int4 on its AVX512-VNNI path, where int4 takes the
     per-block arithmetic; 8 otherwise, where int4 takes the super-block one): [k, K] float32 -> [k, N] float32.
-    Output rows are computed `rows_per_chunk` at a time to bound the integer products' memory."""
+    Output rows are computed `rows_per_chunk` at a time to bound the integer products' memory. 6-bit weights are
+    int8 ones to the arithmetic."""
+    if isinstance(weights, Int6Weights):
+        weights = weights.as_int8()
     _check_width(x, weights.packed)
     super_blocks = isinstance(weights, Int4Weights) and lanes == 8
     Kp = _padded(weights.packed)
@@ -259,7 +300,7 @@ def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
     if ext is None:
         y = reference_mm(x.reshape(-1, x.shape[-1]).float(), weights)
         return (y if bias is None else y + bias.float()).to(dtype).view(*x.shape[:-1], y.shape[-1])
-    kernel = ext.w4a8_mm if isinstance(weights, Int4Weights) else ext.w8a8_mm
+    kernel = {Int4Weights: ext.w4a8_mm, Int6Weights: ext.w6a8_mm, Int8Weights: ext.w8a8_mm}[type(weights)]
     if x.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES:
         return kernel(x, *weights, bias, dtype)
     return kernel(x.float(), *weights, bias).to(dtype)  # e.g. float16: the float32 sum plus bias, cast here

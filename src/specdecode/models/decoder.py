@@ -9,7 +9,7 @@ Bit-exact mode (`decode_width=W`): a token's logits must not depend on how many 
 forward. Two ways, chosen per model:
 - Row-invariant by construction: forwards of up to FUSED_MAX_ROWS tokens run RMSNorm, rotary attention
   and SiLU * up as C++ ops that compute every row by the same fixed operations (kernels/decode_ops.py,
-  AVX-512 or AVX2 + FMA CPUs); with linears that do the same (int4-amx, int8-amx, w4a8, w8a8) no row is
+  AVX-512 or AVX2 + FMA CPUs); with linears that do the same (int4-amx, int8-amx, w4a8, w6a8, w8a8) no row is
   padded. A dense lm_head still gets its fixed shape of W rows (its kernel's order depends on the row count).
 - Padding: otherwise every forward of T <= W tokens is padded to exactly W rows, so a plain 1-token
   step and a (1 + gamma)-token verify step run the same kernels on the same shapes. The PyTorch

@@ -15,9 +15,9 @@ from torch import nn
 from specdecode.errors import InvalidRequestError
 from specdecode.kernels import int4_amx, w4a8
 
-QUANTS = ("none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w8a8")
+QUANTS = ("none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w6a8", "w8a8")
 GROUPED = ("int4", "int4-amx")  # the kinds that take a group size: "int4-g64"
-OUR_KERNELS = {"w4a8": w4a8, "w8a8": w4a8, "int4-amx": int4_amx, "int8-amx": int4_amx}  # kinds whose kernel is our C++ build
+OUR_KERNELS = {"w4a8": w4a8, "w6a8": w4a8, "w8a8": w4a8, "int4-amx": int4_amx, "int8-amx": int4_amx}  # kinds whose kernel is our C++ build
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
 
@@ -267,8 +267,8 @@ class W4A8Linear(Linear):
 
 
 class W8A8Linear(W4A8Linear):
-    """int8 weights (symmetric, blocks of 32, as llama.cpp's Q8_0) x int8 activations in the same kernel: a w4a8
-    target's lm_head, wider than its blocks and row-invariant like them."""
+    """int8 weights (symmetric, blocks of 32, as llama.cpp's Q8_0) x int8 activations in the same kernel: wider than
+    w4a8 blocks and row-invariant like them."""
 
     quant = "w8a8"
     pack = staticmethod(w4a8.quantize_weight8)
@@ -276,12 +276,23 @@ class W8A8Linear(W4A8Linear):
     _take = staticmethod(itemgetter(*Weights._fields))
 
 
+class W6A8Linear(W4A8Linear):
+    """6-bit weights (symmetric, blocks of 32) x int8 activations, W8A8's arithmetic on 7 bits per weight instead of
+    9: a w4a8 target's lm_head, wider than its blocks (as llama.cpp's Q4_K_M keeps a 6-bit output layer)."""
+
+    quant = "w6a8"
+    pack = staticmethod(w4a8.quantize_weight6)
+    Weights = w4a8.Int6Weights
+    _take = staticmethod(itemgetter(*Weights._fields))
+
+
 def parse_quant(quant: str) -> tuple[str, int]:
-    """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'int8-amx' | 'w4a8' | 'w8a8' -> (kind, group)."""
+    """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'int8-amx' | 'w4a8' | 'w6a8' | 'w8a8' -> (kind,
+    group)."""
     kind, sep, group = quant.partition("-g")
     if kind not in QUANTS or (sep and (kind not in GROUPED or not group.isdigit())):
         raise InvalidRequestError(f"unknown quantization {quant!r}; choose none, int8, int4, int4-g32/64/128, "
-                                  "int4-amx (same, with -gG), int8-amx, w4a8, w8a8 or auto")
+                                  "int4-amx (same, with -gG), int8-amx, w4a8, w6a8, w8a8 or auto")
     if sep and int(group) not in INT4_GROUP_SIZES:
         raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     return kind, int(group) if sep else DEFAULT_INT4_GROUP
@@ -306,8 +317,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: s
         return Int8AmxLinear.quantize(weight, bias)
     if kind == "w4a8":
         return W4A8Linear.quantize(weight, bias)
-    if kind == "w8a8":
-        return W8A8Linear.quantize(weight, bias)
+    if kind in ("w6a8", "w8a8"):
+        return (W6A8Linear if kind == "w6a8" else W8A8Linear).quantize(weight, bias)
     return DenseLinear(weight, bias)
 
 
@@ -325,8 +336,8 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
     if kind == "int8-amx":
         _require_amx(kind)
         return Int8AmxLinear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
-    if kind in ("w4a8", "w8a8"):
-        cls = W4A8Linear if kind == "w4a8" else W8A8Linear
+    if kind in ("w4a8", "w6a8", "w8a8"):
+        cls = {"w4a8": W4A8Linear, "w6a8": W6A8Linear, "w8a8": W8A8Linear}[kind]
         return cls(cls.Weights(*(tensors[name] for name in cls.Weights._fields)), int(tensors["width"]), bias, dtype)
     return DenseLinear(tensors["weight"], bias)
 
