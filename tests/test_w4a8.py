@@ -229,6 +229,9 @@ def test_bad_shapes_give_clear_errors(ext):
         ext.w8a8_mm(torch.randn(2, 64), packed, scale)
     with pytest.raises(RuntimeError, match="span"):
         ext.quantize_activations(torch.randn(2, 64), 64, 64)
+    six = w4a8.quantize_weight6(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="48 bytes per pair"):  # int4-packed weights in the 6-bit kernel
+        ext.w6a8_mm(torch.randn(2, 64), packed, six.scale)
 
 
 def test_the_layer_casts_and_adds_its_bias(ext, monkeypatch):

@@ -48,7 +48,7 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                         "int4 (groups of 32; int4-g64 / int4-g128; torch's kernel), int4-amx (the same numbers in our AMX "
                         "kernel: k <= 16 rows cost about one; AMX CPUs only; the lm_head then int8-amx), int8-amx "
                         "(per-channel int8 on the same tiles), w4a8 (our C++ int4 x int8 kernel, row-invariant on AVX2 and "
-                        "AVX-512; the lm_head then w8a8), w6a8 / w8a8 (6-bit / int8 weights x int8, same kernel), or auto (the "
+                        "AVX-512; the lm_head then w6a8), w6a8 / w8a8 (6-bit / int8 weights x int8, same kernel), or auto (the "
                         "fastest kernel on this CPU). "
                         "Quantizing the target changes its outputs")
     p.add_argument("--draft-quant", default="auto", metavar="Q",

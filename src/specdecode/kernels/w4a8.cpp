@@ -645,9 +645,10 @@ torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
 // bias: [N] or None -> [..., N] in dtype
 torch::Tensor w6a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, c10::optional<torch::Tensor> bias,
                       c10::optional<at::ScalarType> dtype) {
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) % kPair6 == 0,
+              "6-bit weights take 48 bytes per pair of blocks: packed must be [N, Kp * 3 / 4]");
   check_weights(x, packed, wscale, 6);
   const int64_t N = packed.size(0), Kp = packed.size(1) * 8 / 6, bytes = packed.size(1);
-  TORCH_CHECK(bytes % kPair6 == 0, "6-bit weights take 48 bytes per pair of blocks");
   const auto* w = packed.data_ptr<uint8_t>();
   const float* ws = wscale.data_ptr<float>();
   return matmul(x, N, Kp, false, kChunks8<6>,

@@ -12,8 +12,9 @@ the AVX2 kernel applies the sub-scales in its integer sums and converts to float
 activations quantized per super-block (as Q8_K). On AVX512-VNNI CPUs the same weights meet activations
 quantized per block of 32 (as Q4_0 x Q8_0), with the blocks' scales as floats.
 
-W8A8 (`w8a8_mm`) is the same kernel with one signed byte per weight (Q8_0-like): a w4a8 target's lm_head, which
-stays wider than its blocks as llama.cpp's output layer does, and is row-invariant like them.
+W8A8 (`w8a8_mm`) is the same kernel with one signed byte per weight (Q8_0-like), and W6A8 (`w6a8_mm`) the same
+arithmetic on 6-bit weights (7 bits each with the scales): a w4a8 target's lm_head, which stays wider than its
+blocks as llama.cpp's output layer does, and is row-invariant like them.
 
 The extension (with the decode ops: `build.cpu_extension`) is compiled on first use with the machine's g++.
 """
