@@ -15,7 +15,7 @@ PACKERS = {"w4": w4a8.quantize_weight, "w6": w4a8.quantize_weight6, "w8": w4a8.q
 
 def kernel_of(ext, weights):
     """The extension's kernel for these packed weights (int4, 6-bit or int8)."""
-    return {w4a8.Int4Weights: ext.w4a8_mm, w4a8.Int6Weights: ext.w6a8_mm, w4a8.Int8Weights: ext.w8a8_mm}[type(weights)]
+    return getattr(ext, w4a8.KERNEL_OF[type(weights)])
 
 
 def mm(ext, x, weights):

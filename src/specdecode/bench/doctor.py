@@ -17,7 +17,7 @@ from specdecode.cpu import cpu_info
 from specdecode.kernels import decode_ops, w4a8
 from specdecode.models.config import ModelConfig
 from specdecode.models.autotune import fastest_dtype, fastest_quant, streamed_layers, time_rows
-from specdecode.models.linear import Linear, invariant_rows, kernel_available
+from specdecode.models.linear import OUR_INT8_ACTIVATIONS, Linear, invariant_rows, kernel_available
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
@@ -102,8 +102,8 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
         except Exception as exc:  # noqa: BLE001  a kernel this torch build or CPU lacks, or a shape it refuses
             kernels.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
             continue
-        ours = quant in ("w4a8", "w6a8", "w8a8")
-        name = type(layers[0]).__name__ + (f"({w4a8.extension().simd_path()})" if ours else "")
+        path = f"({w4a8.extension().simd_path()})" if quant in OUR_INT8_ACTIVATIONS else ""
+        name = type(layers[0]).__name__ + path
         kernels.append({"name": f"{name}/{dtype}", "dtype": dtype, "quant": quant,
                         "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
                         "bit_exact": row_invariant(layers[0]),

@@ -143,33 +143,31 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []
+
+    def report(model: str, dtype: str, quant: str, engine: str, r: dict, label: str | None = None, **extra) -> None:
+        ms = r["ms"]
+        print(f"| {model} | {dtype} | {quant} | {label or engine} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | "
+              + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
+              + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
+        rows.append({"model": model, "dtype": dtype, "quant": quant, "engine": engine, **extra, **r})
+
     for model in models:
         for name, width, dtype, quant in runs:
             engine = name if name in ("transformers", "llama.cpp") else "ours"
             if engine == "llama.cpp" and not resolve(model).is_file():
                 print(f"| {model} | – | – | llama.cpp | skipped: llama.cpp needs a GGUF file |", flush=True)
                 continue
-            r = measure(engine, model, dtype, context, ks, repeats, width, quant)
-            ms = r["ms"]
-            print(f"| {model} | {dtype} | {quant} | {name} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | "
-                  + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
-                  + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
-            rows.append({"model": model, "dtype": dtype, "quant": quant, "engine": name, **r})
-    if draft is not None:
-        for dtype in dtypes:
-            for quant in quants or ["none"]:
-                r = measure("ours", draft, dtype, context, ks, repeats, None, quant, True, draft_vocab)
-                ms = r["ms"]
-                print(f"| {draft} | {dtype} | {quant} | specdecode draft (vocab {draft_vocab or 'all'}) | "
-                      f"{r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | " + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
-                      + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
-                rows.append({"model": draft, "dtype": dtype, "quant": quant, "engine": "specdecode draft",
-                             "draft_vocab": draft_vocab, **r})
-        for d in (row for row in rows if row["engine"] == "specdecode draft"):
-            for t in rows:
-                if t["engine"].startswith("specdecode") and t["engine"] != "specdecode draft" and \
-                        (t["dtype"], t["quant"]) == (d["dtype"], d["quant"]) and 1 in t["ms"] and 1 in d["ms"]:
-                    t.setdefault("draft_step_fraction", d["ms"][1] / t["ms"][1])
-                    print(f"draft one-token step / {t['model']} ({t['engine']}, {t['dtype']}, {t['quant']}): "
-                          f"{d['ms'][1]:.1f} / {t['ms'][1]:.1f} ms = {t['draft_step_fraction']:.2f}")
+            report(model, dtype, quant, name, measure(engine, model, dtype, context, ks, repeats, width, quant))
+    if draft is None:
+        return rows
+    targets = [t for t in rows if t["engine"] in dict(engines)]  # ours, not the peers
+    for dtype in dtypes:
+        for quant in quants or ["none"]:
+            d = measure("ours", draft, dtype, context, ks, repeats, None, quant, True, draft_vocab)
+            report(draft, dtype, quant, "specdecode draft", d, f"specdecode draft (vocab {draft_vocab or 'all'})",
+                   draft_vocab=draft_vocab)
+            for t in (t for t in targets if (t["dtype"], t["quant"]) == (dtype, quant) and 1 in ks):
+                t["draft_step_fraction"] = d["ms"][1] / t["ms"][1]
+                print(f"draft one-token step / {t['model']} ({t['engine']}, {dtype}, {quant}): "
+                      f"{d['ms'][1]:.1f} / {t['ms'][1]:.1f} ms = {t['draft_step_fraction']:.2f}")
     return rows

@@ -16,17 +16,15 @@ import os
 import sys
 import time
 import warnings
-from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 STALE_LOCK_SECONDS = 600
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused multiply-adds: see the sources
-
-
 KERNELS = Path(__file__).parent
 # one library: layer.cpp calls into the other two (cpu_ops.h) and binds them all
 CPU_SOURCES = (KERNELS / "layer.cpp", KERNELS / "w4a8.cpp", KERNELS / "decode_ops.cpp")
@@ -72,14 +70,14 @@ def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (), h
         return None
 
 
-def build_for_cpu(source: Path, needs: set[str]) -> ModuleType | None:
-    """`source` compiled, where this CPU has the `needs` flags (/proc/cpuinfo names) and the build's own
-    `available()` agrees (e.g. the OS grants AMX); else None."""
+def build_for_cpu(needs: set[str], make: Callable[[], ModuleType | None]) -> ModuleType | None:
+    """`make()`'s extension where this CPU has the `needs` flags (/proc/cpuinfo names) and the build's own
+    `available()` agrees (e.g. the OS grants AMX); else None, without building where the flags are missing."""
     from specdecode.cpu import cpu_info
 
     if not needs <= set(cpu_info()[1]):
         return None
-    ext = build(source.stem, (source,), without=f"{source.stem} is unavailable")
+    ext = make()
     return ext if ext is not None and ext.available() else None
 
 

@@ -13,19 +13,14 @@ from types import ModuleType
 
 import torch
 
-from specdecode.kernels.build import cpu_extension
+from specdecode.kernels.build import build_for_cpu, cpu_extension
 
 
 @cache
 def extension() -> ModuleType | None:
     """The compiled ops where this CPU runs them (AVX-512, or AVX2 + FMA), else None: then the decoder uses PyTorch's
     ops."""
-    from specdecode.cpu import cpu_info
-
-    if not {"avx2", "fma"} <= set(cpu_info()[1]):  # the build would only say so: not worth compiling for
-        return None
-    ext = cpu_extension()
-    return ext if ext is not None and ext.available() else None
+    return build_for_cpu({"avx2", "fma"}, cpu_extension)
 
 
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # what rope_attention takes

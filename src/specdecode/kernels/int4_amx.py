@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from specdecode.kernels.build import build_for_cpu
+from specdecode.kernels.build import build, build_for_cpu
 
 CHUNK = 32  # inputs per tile multiply
 TILE = 16  # outputs per tile
@@ -27,7 +27,8 @@ SOURCE = Path(__file__).with_name("int4_amx.cpp")
 @cache
 def extension() -> ModuleType | None:
     """The compiled kernel where this CPU can run it, else None."""
-    return build_for_cpu(SOURCE, {"amx_bf16", "amx_tile", "avx512bw"})
+    return build_for_cpu({"amx_bf16", "amx_tile", "avx512bw"},
+                         lambda: build("int4_amx", (SOURCE,), without="int4-amx and int8-amx are unavailable"))
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,7 @@ class Int8Weights(NamedTuple):
 
 class Int6Weights(NamedTuple):
     """6-bit weights (q in -31..31) with a float32 scale per block of 32: the W8A8 arithmetic on 7 bits per weight
-    instead of 9 (a w4a8 target's lm_head, a quarter of its bytes)."""
+    instead of 9 (a w4a8 target's lm_head)."""
 
     packed: torch.Tensor  # [N, Kp * 3 / 4] uint8: per pair, 32 bytes of low nibbles of u = q + 32, 16 of high bits
     scale: torch.Tensor  # [N, Kp / 32] float32
@@ -85,6 +85,7 @@ class Int6Weights(NamedTuple):
 
 
 Weights = Union[Int4Weights, Int6Weights, Int8Weights]
+KERNEL_OF = {Int4Weights: "w4a8_mm", Int6Weights: "w6a8_mm", Int8Weights: "w8a8_mm"}  # the extension's function
 
 
 def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
@@ -301,7 +302,7 @@ def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
     if ext is None:
         y = reference_mm(x.reshape(-1, x.shape[-1]).float(), weights)
         return (y if bias is None else y + bias.float()).to(dtype).view(*x.shape[:-1], y.shape[-1])
-    kernel = {Int4Weights: ext.w4a8_mm, Int6Weights: ext.w6a8_mm, Int8Weights: ext.w8a8_mm}[type(weights)]
+    kernel = getattr(ext, KERNEL_OF[type(weights)])
     if x.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES:
         return kernel(x, *weights, bias, dtype)
     return kernel(x.float(), *weights, bias).to(dtype)  # e.g. float16: the float32 sum plus bias, cast here

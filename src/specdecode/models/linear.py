@@ -233,7 +233,7 @@ class W4A8Linear(Linear):
     quant = "w4a8"
     pack = staticmethod(w4a8.quantize_weight)
     Weights = w4a8.Int4Weights
-    _take = staticmethod(itemgetter(*Weights._fields))
+    _take = staticmethod(itemgetter(*Weights._fields))  # the buffers (or saved tensors) that make its Weights
 
     @property
     def row_invariant(self) -> bool:  # the C++ kernel is; its pure-torch stand-in is not promised to be
@@ -286,6 +286,9 @@ class W6A8Linear(W4A8Linear):
     _take = staticmethod(itemgetter(*Weights._fields))
 
 
+OUR_INT8_ACTIVATIONS = {cls.quant: cls for cls in (W4A8Linear, W6A8Linear, W8A8Linear)}  # one kernel, three widths
+
+
 def parse_quant(quant: str) -> tuple[str, int]:
     """'none' | 'int8' | 'int4[-g32|-g64|-g128]' | 'int4-amx[-gG]' | 'int8-amx' | 'w4a8' | 'w6a8' | 'w8a8' -> (kind,
     group)."""
@@ -315,10 +318,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quant: s
         return Int4AmxLinear.quantize(weight, bias, group)
     if kind == "int8-amx":
         return Int8AmxLinear.quantize(weight, bias)
-    if kind == "w4a8":
-        return W4A8Linear.quantize(weight, bias)
-    if kind in ("w6a8", "w8a8"):
-        return (W6A8Linear if kind == "w6a8" else W8A8Linear).quantize(weight, bias)
+    if kind in OUR_INT8_ACTIVATIONS:
+        return OUR_INT8_ACTIVATIONS[kind].quantize(weight, bias)
     return DenseLinear(weight, bias)
 
 
@@ -336,9 +337,9 @@ def restore_linear(quant: str, tensors: dict[str, torch.Tensor], dtype: torch.dt
     if kind == "int8-amx":
         _require_amx(kind)
         return Int8AmxLinear(tensors["packed"], tensors["scale"], int(tensors["width"]), bias, dtype)
-    if kind in ("w4a8", "w6a8", "w8a8"):
-        cls = {"w4a8": W4A8Linear, "w6a8": W6A8Linear, "w8a8": W8A8Linear}[kind]
-        return cls(cls.Weights(*(tensors[name] for name in cls.Weights._fields)), int(tensors["width"]), bias, dtype)
+    if kind in OUR_INT8_ACTIVATIONS:
+        cls = OUR_INT8_ACTIVATIONS[kind]
+        return cls(cls.Weights._make(cls._take(tensors)), int(tensors["width"]), bias, dtype)
     return DenseLinear(tensors["weight"], bias)
 
 
