@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import random
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from specdecode.kernels import decode_ops, w4a8
+from specdecode.kernels.build import cpu_extension
 from specdecode.models import autotune
 from specdecode.models.loading import LoadedModel, load_model
 
@@ -95,6 +98,37 @@ def tiny_pair(tmp_path_factory) -> tuple[LoadedModel, LoadedModel]:
     save_tiny(root / "target", target, tok)
     save_tiny(root / "draft", draft, tok)
     return (load_model(root / "target", decode_width=9), load_model(root / "draft"))
+
+
+def emulated_avx512_build():
+    """Our CPU extension with its AVX-512 paths (w4a8's VNNI arithmetic, the 16-float decode ops) compiled through
+    SIMDe's portable intrinsics (kernels/simd.h), so that CPUs without AVX-512 test those paths too."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("SIMDe stands in for x86 intrinsics on x86 CPUs here")
+    import simde_py
+
+    ext = cpu_extension(("-DSPECDECODE_EMULATE_AVX512", "-I" + simde_py.get_include()))
+    assert ext is not None and ext.simd_path() == "avx512-vnni", "the emulated AVX-512 build failed (see the warning)"
+    return ext
+
+
+def use_cpu_build(mp: pytest.MonkeyPatch, ext) -> None:
+    """Makes `w4a8.extension()` and `decode_ops.extension()` return `ext` (models must be loaded after this)."""
+    native = w4a8.extension
+    mp.setattr(w4a8, "extension", lambda isa_flags=(): native(isa_flags) if isa_flags else ext)
+    mp.setattr(decode_ops, "extension", lambda: ext)
+
+
+@pytest.fixture(params=["native", "avx512-emulated"])
+def cpu_build(request, monkeypatch):
+    """Runs a test on this CPU's build of our CPU extension, then on its AVX-512 paths, emulated."""
+    if request.param == "native":
+        if decode_ops.extension() is None:
+            pytest.skip("needs a CPU with AVX-512 or AVX2 + FMA, and g++")
+        return decode_ops.extension()
+    ext = emulated_avx512_build()
+    use_cpu_build(monkeypatch, ext)
+    return ext
 
 
 def corrupt_json(path: Path, key: str, value) -> None:

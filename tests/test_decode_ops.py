@@ -29,10 +29,9 @@ def assert_rows_invariant(op, rows: torch.Tensor, *rest) -> torch.Tensor:
     return full
 
 
-@needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [64, 100, 1536])  # 100: a tail shorter than a vector
-def test_rms_norm_is_row_invariant_and_matches_pytorch(dtype, width):
+def test_rms_norm_is_row_invariant_and_matches_pytorch(cpu_build, dtype, width):
     g = torch.Generator().manual_seed(width)
     x = (torch.randn(17, width, generator=g) * 3).to(dtype)
     w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
@@ -42,10 +41,9 @@ def test_rms_norm_is_row_invariant_and_matches_pytorch(dtype, width):
                                rtol=1e-5 if dtype == torch.float32 else 0.01)
 
 
-@needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [40, 1000, 8960])  # 1000: a task segment ends inside a row
-def test_silu_mul_is_row_invariant_and_matches_pytorch(dtype, width):
+def test_silu_mul_is_row_invariant_and_matches_pytorch(cpu_build, dtype, width):
     gate_up = (torch.randn(17, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(dtype)
     out = assert_rows_invariant(decode_ops.silu_mul, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -98,10 +96,9 @@ def run_ops(case: dict, b: slice = slice(None), t: slice = slice(None)) -> tuple
     return out, k_cache, v_cache
 
 
-@needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hd", [16, 48, 64, 96, 128, 256])
-def test_rope_attention_matches_pytorch(dtype, hd):
+def test_rope_attention_matches_pytorch(cpu_build, dtype, hd):
     case = attention_case(dtype, hd)
     out, k_cache, v_cache = run_ops(case)
     ref, ref_k, ref_v = pytorch_attention(case)
@@ -111,9 +108,8 @@ def test_rope_attention_matches_pytorch(dtype, hd):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_attention_rows_do_not_depend_on_the_other_rows(dtype):
+def test_rope_attention_rows_do_not_depend_on_the_other_rows(cpu_build, dtype):
     case = attention_case(dtype, 64)
     full, k_full, v_full = run_ops(case)
     for k in range(1, 10):  # the first k tokens of the step, as a verify step of k tokens would send them
@@ -131,8 +127,7 @@ def test_rope_attention_rows_do_not_depend_on_the_other_rows(dtype):
     assert torch.equal(k_cache, k_full) and torch.equal(v_cache, v_full)
 
 
-@needs_ops
-def test_rope_attention_ignores_unseen_keys_and_the_mask_width():
+def test_rope_attention_ignores_unseen_keys_and_the_mask_width(cpu_build):
     case = attention_case(torch.bfloat16, 64)
     full = run_ops(case)[0]
     narrow = dict(case, mask=case["mask"][..., :320].contiguous())  # every seen slot is below 309
@@ -143,8 +138,7 @@ def test_rope_attention_ignores_unseen_keys_and_the_mask_width():
     assert torch.equal(run_ops(noisy)[0], full)
 
 
-@needs_ops
-def test_a_key_some_rows_do_not_see_never_reaches_them():
+def test_a_key_some_rows_do_not_see_never_reaches_them(cpu_build):
     """As with a token tree: row 0 does not see slot 5, the others do. Whatever slot 5 holds, row 0 gets
     what it gets when no row sees slot 5; and a mask width that is not a multiple of 16 changes nothing."""
     case = attention_case(torch.float32, 64, B=1)
@@ -159,8 +153,7 @@ def test_a_key_some_rows_do_not_see_never_reaches_them():
         assert torch.equal(out[0, 0], alone[0, 0]), junk
 
 
-@needs_ops
-def test_decode_ops_refuse_bad_input():
+def test_decode_ops_refuse_bad_input(cpu_build):
     case = attention_case(torch.float32, 64)
     with pytest.raises(RuntimeError, match="head_dim"):
         decode_ops.rope_attention(case["qkv"][..., :-4 * 10], case["cos"][..., :60], case["sin"][..., :60],
@@ -219,10 +212,9 @@ def test_targets_of_our_int4_kernels_run_unpadded(tiny_pair, quant, head):
     assert target.lm_head.quant == head and target.lm_head.row_invariant
 
 
-@needs_ops
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # a qkv bias, and none
-def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(tmp_path, monkeypatch, arch, dtype):
+def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(cpu_build, tmp_path, monkeypatch, arch, dtype):
     """kernels/layer.cpp runs a W4A8 layer in one call: the same logits and cache writes as the layer's ops called
     one by one from Python, for batches in any cache rows and steps of 1..16 tokens."""
     hf = tiny_hf_model(arch, seed=3, hidden=128, layers=2)

@@ -10,7 +10,7 @@ from specdecode.builder import build_generator, load_target
 from specdecode.errors import InvalidRequestError
 from specdecode.models.linear import DenseLinear, Int4Linear, Int8Linear, make_linear, parse_quant
 from specdecode.models.loading import load_model
-from tests.conftest import save_tiny, tiny_hf_model, tiny_tokenizer
+from tests.conftest import emulated_avx512_build, save_tiny, tiny_hf_model, tiny_tokenizer, use_cpu_build
 from tests.test_int4_amx import needs_amx
 from tests.test_lossless import random_prompts
 from tests.test_runtime import _invariance_mismatches
@@ -145,12 +145,18 @@ def test_cli_rejects_bad_drafting_before_loading_anything(tmp_path, capsys):
                                         ("float32", "w8a8"), ("bfloat16", "w6a8"),
                                         ("bfloat16", "int4"), pytest.param(("bfloat16", "int4-amx"), marks=needs_amx),
                                         pytest.param(("float32", "int4-amx"), marks=needs_amx),
-                                        pytest.param(("bfloat16", "int8-amx"), marks=needs_amx)],
+                                        pytest.param(("bfloat16", "int8-amx"), marks=needs_amx),
+                                        ("bfloat16", "w4a8", "avx512-emulated")],
                 ids=lambda p: "-".join(p))
 def quantized_pair(request, tiny_pair):
-    dtype, quant = request.param
-    return (load_target(str(tiny_pair[0].source), dtype=dtype, quant=quant),
-            load_model(tiny_pair[1].source, dtype=dtype, quant=quant))
+    """(target, draft) in one dtype and quantization; the last on w4a8's and the decode ops' AVX-512 paths, emulated
+    (conftest.emulated_avx512_build), for as long as its tests run."""
+    dtype, quant, *build = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        if build:
+            use_cpu_build(mp, emulated_avx512_build())
+        yield (load_target(str(tiny_pair[0].source), dtype=dtype, quant=quant),
+               load_model(tiny_pair[1].source, dtype=dtype, quant=quant))
 
 
 def test_quantized_forward_is_invariant_to_the_step_width(quantized_pair):

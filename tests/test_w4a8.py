@@ -8,6 +8,7 @@ import torch
 
 from specdecode.kernels import w4a8
 from specdecode.models.linear import W4A8Linear, W6A8Linear, W8A8Linear, invariant_rows
+from tests.conftest import emulated_avx512_build, use_cpu_build
 
 SHAPES = [(96, 64), (40, 96), (33, 100), (70, 1536), (24, 200)]  # widths that are not multiples of 32 or 64 too
 PACKERS = {"w4": w4a8.quantize_weight, "w6": w4a8.quantize_weight6, "w8": w4a8.quantize_weight8}
@@ -27,11 +28,19 @@ def reference(ext, x, weights):
     return w4a8.reference_mm(x, weights, ext.lanes(4 if isinstance(weights, w4a8.Int4Weights) else 8))
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = w4a8.extension()
-    assert module is not None, "the C++ kernel did not build (see the warning): g++ and ninja are needed"
-    return module
+@pytest.fixture(scope="module", params=["native", "avx512-emulated"])
+def ext(request):
+    """Each test on this CPU's build of the kernel, then on its AVX-512 (VNNI) path, emulated (conftest), which the
+    layers then use too."""
+    if request.param == "native":
+        module = w4a8.extension()
+        assert module is not None, "the C++ kernel did not build (see the warning): g++ and ninja are needed"
+        yield module
+        return
+    module = emulated_avx512_build()
+    with pytest.MonkeyPatch.context() as mp:
+        use_cpu_build(mp, module)
+        yield module
 
 
 def _case(N: int, K: int, seed: int = 0):

@@ -21,9 +21,9 @@
 // Built with -ffp-contract=off: the only fused multiply-adds are the explicit std::fma ones.
 
 #include "cpu_ops.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,7 +31,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef SPECDECODE_HAS_AVX512
 #define SPECDECODE_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SPECDECODE_AVX2 1

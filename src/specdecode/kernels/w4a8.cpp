@@ -33,9 +33,9 @@
 // kernel rebuilds the int8 q and runs the W8A8 code: the same bits as W8A8 on the same q.
 
 #include "cpu_ops.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -52,7 +52,7 @@ constexpr int kMaxChunk = 8;  // tokens per pass over a weight row: accumulators
 constexpr int kPrefetch = 2048;  // bytes ahead in a row's weights
 constexpr int64_t kRowBlock = 16;  // weight rows per block of the loop over tokens
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef SPECDECODE_HAS_AVX512_VNNI
 #define SPECDECODE_VNNI 1
 #endif
 
