@@ -112,14 +112,18 @@ def costs_pick(forward: dict[int, float], accepted: float, rejected: float) -> i
     return _costs(forward, draft=1e-5, accepted=accepted, rejected=rejected).best_gamma(8)
 
 
-def test_adaptive_lookups_are_built_and_lossless(tiny_pair, plain_outputs):
-    target, _ = tiny_pair
-    gen = build_generator(target, drafter="ngram", adaptive=True)
+def test_draft_lengths_are_chosen_each_step_unless_a_gamma_is_given(tiny_pair, plain_outputs):
+    target, draft = tiny_pair
+    gen = build_generator(target, drafter="ngram")
     assert gen.gamma.adaptive and gen.gamma.initial == 8  # lookups start long; the cost model shortens them
     for prompt, expected in zip(random_prompts(N_PROMPTS, 64)[:10], plain_outputs):
         assert gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids == expected
-    with pytest.raises(InvalidRequestError, match="model and ngram drafters, not hybrid"):
-        build_generator(target, draft=tiny_pair[1], drafter="hybrid", adaptive=True)
+    model = build_generator(target, draft=draft)
+    assert model.gamma.adaptive and model.gamma.initial == 4 and model.drafter.min_confidence > 0
+    for kind in ("model", "ngram", "hybrid"):
+        fixed = build_generator(target, draft=draft, drafter=kind, gamma=3)
+        assert not fixed.gamma.adaptive and fixed.gamma.initial == (3 if kind != "hybrid" else 8)
+    assert not build_generator(target, draft=draft, drafter="hybrid").gamma.adaptive  # its fixed lengths
 
 
 def test_greedy_output_is_plain_decodings_whatever_the_cost_model_chooses(tiny_pair, plain_outputs):

@@ -43,9 +43,9 @@ def test_greedy_speculative_equals_plain_on_spec_bench(case):
         target = load_target("qwen2.5-coder-1.5b-instruct", dtype=dtype)
         draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=dtype) if "ngram" not in case else None
     drafter = case.split("-")[1]
-    kind, adaptive = ("model", True) if drafter == "adaptive" else (drafter, False)
+    kind, gamma = ("model", None) if drafter == "adaptive" else (drafter, 4 if drafter == "model" else 8)
     plain = build_generator(target, drafter="none")
-    spec = build_generator(target, draft=draft, drafter=kind, adaptive=adaptive)
+    spec = build_generator(target, draft=draft, drafter=kind, gamma=gamma)
     for prompt in spec_bench_prompts(20):
         a = plain.generate(prompt, chat=True, max_new_tokens=48)
         b = spec.generate(prompt, chat=True, max_new_tokens=48)

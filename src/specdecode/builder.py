@@ -99,17 +99,18 @@ def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, g
 
 
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
-                    gamma: int | None = None, adaptive: bool = False, dtype: str = "auto",
+                    gamma: int | None = None, dtype: str = "auto",
                     device: str = "cpu", bit_exact: bool = True, max_context: int | None = None,
                     quant: str = "none", draft_quant: str = "auto",
                     draft_vocab: int | None = None) -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule.
 
-    gamma: the draft model's draft length (default 4); lookup drafts (ngram, hybrid) go up to the verify
-    width by default, since in bit-exact mode every step runs the full width anyway. quant / draft_quant:
+    gamma: a fixed draft length, 1..8. By default the model and ngram drafters choose each step's length (0
+    included) from the measured costs and acceptance (engine.CostModel), which was faster than any fixed length
+    in every benchmark here; hybrid drafts 4 model tokens or up to 8 copied ones. quant / draft_quant:
     weight-only quantization of the target / the draft when they are loaded here ("auto": fastest here).
     draft_vocab: the draft proposes only token ids below it (see load_draft)."""
-    return _assemble(target, draft, drafter, gamma, adaptive, dtype, device, bit_exact, max_context, quant, draft_quant,
+    return _assemble(target, draft, drafter, gamma, dtype, device, bit_exact, max_context, quant, draft_quant,
                      draft_vocab)
 
 
@@ -121,22 +122,20 @@ def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue:
     return Scheduler(_assemble(target, **generator_args, batch=max_batch), max_batch, max_queue, on_step)
 
 
-def check_drafting(drafter: str, gamma: int | None, adaptive: bool) -> None:
+def check_drafting(drafter: str, gamma: int | None) -> None:
     """The drafting arguments' errors, before anything slow is loaded."""
     if drafter not in DRAFTERS:
         raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-    if adaptive and drafter not in ADAPTIVE_DRAFTERS:
-        raise InvalidRequestError(
-            f"--adaptive applies to the {' and '.join(ADAPTIVE_DRAFTERS)} drafters, not {drafter}")
     if gamma is not None and not 1 <= gamma <= MAX_GAMMA:
         raise InvalidRequestError(f"gamma must be in [1, {MAX_GAMMA}], got {gamma}")
 
 
 def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
-              gamma: int | None = None, adaptive: bool = False, dtype: str = "auto", device: str = "cpu",
+              gamma: int | None = None, dtype: str = "auto", device: str = "cpu",
               bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
               draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
-    check_drafting(drafter, gamma, adaptive)
+    check_drafting(drafter, gamma)
+    adaptive = gamma is None and drafter in ADAPTIVE_DRAFTERS
     model_gamma = gamma or DEFAULT_GAMMA
     schedule = GammaSchedule(MAX_GAMMA if drafter == "hybrid" or (drafter == "ngram" and gamma is None)
                              else model_gamma, adaptive, maximum=MAX_GAMMA)

@@ -17,12 +17,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"catalog name, HF folder or GGUF file (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--gamma", type=int, default=None,
-                   help=f"draft tokens per step, 1..8 (default: {DEFAULT_GAMMA} for the draft model, 8 for ngram/hybrid lookups)")
-    g.add_argument("--adaptive", action="store_true",
-                   help="each step, the draft length with the most expected tokens per second under the measured "
-                        "costs and acceptance, 0 included (model and ngram drafters)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="a fixed number of draft tokens per step, 1..8 (default: the model and ngram drafters choose "
+                        "each step's length, 0 included, from the measured costs and acceptance; hybrid drafts "
+                        f"{DEFAULT_GAMMA} model tokens or up to 8 copied ones)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto (default): bfloat16 where its matmuls are clearly faster on this CPU (measured once, "
                         "cached), else float32")
@@ -72,11 +70,10 @@ def _generate(args: argparse.Namespace) -> int:
     from specdecode.verification.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.coupling)  # fail before the slow load
-    check_drafting(args.drafter, args.gamma, args.adaptive)
+    check_drafting(args.drafter, args.gamma)
     target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact, quant=args.quant)
-    gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, adaptive=args.adaptive,
-                          dtype=args.dtype, device=args.device, quant=args.quant, draft_quant=args.draft_quant,
-                          draft_vocab=args.draft_vocab)
+    gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, dtype=args.dtype,
+                          device=args.device, quant=args.quant, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat, coupling=args.coupling)
     stream = gen.stream(args.prompt, **request)
@@ -180,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specdecode.serving.app import create_app
 
     scheduler = build_scheduler(args.target, draft=args.draft, drafter=args.drafter, gamma=args.gamma,
-                                adaptive=args.adaptive, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact,
+                                dtype=args.dtype, device=args.device, bit_exact=args.bit_exact,
                                 max_context=args.max_context, max_batch=args.max_batch, max_queue=args.max_queue,
                                 quant=args.quant, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab)
     name = args.served_model_name or Path(args.target).name
@@ -304,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target quantization of our methods that name none (the reference `plain` included), e.g. "
                         "w4a8 where the unquantized plain reference would take hours (AVX2 CPUs)")
     b.add_argument("--gamma", type=int, default=None,
-                   help=f"draft length, 1..8 (default {DEFAULT_GAMMA} for the draft model, 8 for ngram lookups)")
+                   help=f"the fixed draft length of `model`, `ngram` and `hybrid`, 1..8 (default {DEFAULT_GAMMA} for "
+                        "the draft model, 8 for lookups; `adaptive` and `ngram-adaptive` choose theirs each step)")
     b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft model proposes only the first N token ids (a smaller, faster lm_head; lossless)")
     b.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specdecode.builder import WITH_DRAFT_MODEL, build_generator, load_draft, load_target
+from specdecode.builder import DEFAULT_GAMMA, MAX_GAMMA, WITH_DRAFT_MODEL, build_generator, load_draft, load_target
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.linear import parse_quant
@@ -20,9 +20,11 @@ from specdecode.models.loading import DTYPES, LoadedModel
 OURS = ("plain", "ngram", "ngram-adaptive", "model", "adaptive", "hybrid")
 PEERS = ("hf-plain", "hf-assisted", "hf-prompt-lookup", "llama-cpp", "llama-cpp-prompt-lookup")
 PLAIN_KINDS = ("plain", "hf-plain", "llama-cpp")  # no drafting: the baselines a speedup is measured against
-_OUR_CONFIG = {"plain": dict(drafter="none"), "ngram": dict(drafter="ngram"),
-               "ngram-adaptive": dict(drafter="ngram", adaptive=True), "model": dict(drafter="model"),
-               "adaptive": dict(drafter="model", adaptive=True), "hybrid": dict(drafter="hybrid")}
+# the fixed-length methods carry their default gamma (bench --gamma replaces it); without one, the length is chosen
+# each step (builder.build_generator)
+_OUR_CONFIG = {"plain": dict(drafter="none"), "ngram": dict(drafter="ngram", gamma=MAX_GAMMA),
+               "ngram-adaptive": dict(drafter="ngram"), "model": dict(drafter="model", gamma=DEFAULT_GAMMA),
+               "adaptive": dict(drafter="model"), "hybrid": dict(drafter="hybrid", gamma=None)}
 
 
 @dataclass
@@ -127,13 +129,15 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
             key = (spec.dtype, spec.quant)
             if key not in targets:
                 targets[key] = load_target(target, dtype=spec.dtype, bit_exact=bit_exact, quant=spec.quant)
-            cfg = _OUR_CONFIG[spec.kind]
+            cfg = dict(_OUR_CONFIG[spec.kind])
+            if gamma and "gamma" in cfg:  # bench --gamma: the length of the fixed-length methods
+                cfg["gamma"] = gamma
             dft = None
             if cfg["drafter"] in WITH_DRAFT_MODEL:
                 if spec.dtype not in drafts:  # the fastest draft here, as our default: it never changes the output
                     drafts[spec.dtype] = load_draft(draft, dtype=spec.dtype, vocab=draft_vocab)
                 dft = drafts[spec.dtype]
-            gen = build_generator(targets[key], draft=dft, gamma=gamma, **cfg)
+            gen = build_generator(targets[key], draft=dft, **cfg)
             methods.append(EngineMethod(name, gen, coupling))
         else:
             try:
