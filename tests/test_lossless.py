@@ -19,7 +19,7 @@ from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.loading import load_model
 from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.rejection import verify_sampling
-from specdecode.verification.sampling import SamplingParams, processed_probs
+from specdecode.verification.sampling import COUPLINGS, SamplingParams, processed_probs
 from tests.conftest import perturbed, save_tiny, tiny_hf_model, tiny_tokenizer
 
 N_PROMPTS = 50
@@ -281,6 +281,22 @@ def test_engine_sampling_first_token_distribution_and_seeds(small_vocab, kind, c
     a = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[], coupling=coupling)
     b = gen.generate(prompt, max_new_tokens=20, temperature=1.0, seed=5, eos_ids=[], coupling=coupling)
     assert a.token_ids == b.token_ids  # a seed reproduces a run
+
+
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_a_seed_reproduces_a_sample_whatever_the_costs_measured_before(tiny_pair, coupling):
+    """Draft lengths chosen from timings vary between runs; a seeded sample must not: with rejection coupling its
+    draws depend on the lengths, so it takes the grow/shrink rule instead."""
+    target, draft = tiny_pair
+    gen = build_generator(target, draft=draft)
+    assert gen.gamma.adaptive
+    runs = []
+    for forward, accepted in (({1: 1.0, 2: 1.0}, 30), ({1: 1.0, 2: 3.0}, 1)):  # costs that pick 8 drafts, then 0
+        gen.costs = _costs(forward, draft=1e-5, accepted=accepted, rejected=1)
+        gen.costs.decay = 1.0
+        runs.append([gen.generate(p, max_new_tokens=24, temperature=1.0, seed=s, eos_ids=[],
+                                  coupling=coupling).token_ids for s, p in enumerate(random_prompts(6, 64, seed=3))])
+    assert runs[0] == runs[1]
 
 
 # ---- Gumbel coupling: exact samples, and the same tokens whatever the drafter and gamma ----

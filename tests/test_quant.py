@@ -147,14 +147,23 @@ def test_cli_rejects_bad_drafting_before_loading_anything(tmp_path, capsys):
                                         ("bfloat16", "w4a8", "avx512-emulated")],
                 ids=lambda p: "-".join(p))
 def quantized_pair(request, tiny_pair):
-    """(target, draft) in one dtype and quantization; the last on w4a8's and the decode ops' AVX-512 paths, emulated
-    (conftest.emulated_avx512_build), for as long as its tests run."""
-    dtype, quant, *build = request.param
+    """(target, draft, build) in one dtype and quantization; the last on w4a8's and the decode ops' AVX-512 paths,
+    emulated (conftest.emulated_avx512_build); build None: this CPU's."""
+    dtype, quant, *emulated = request.param
+    build = emulated_avx512_build() if emulated else None
     with pytest.MonkeyPatch.context() as mp:
         if build:
-            use_cpu_build(mp, emulated_avx512_build())
-        yield (load_target(str(tiny_pair[0].source), dtype=dtype, quant=quant),
-               load_model(tiny_pair[1].source, dtype=dtype, quant=quant))
+            use_cpu_build(mp, build)
+        return (load_target(str(tiny_pair[0].source), dtype=dtype, quant=quant),
+                load_model(tiny_pair[1].source, dtype=dtype, quant=quant), build)
+
+
+@pytest.fixture(autouse=True)
+def _models_use_their_build(request, monkeypatch):
+    """A test of an emulated pair runs its kernels on that build; every other test on this CPU's."""
+    build = request.getfixturevalue("quantized_pair")[2] if "quantized_pair" in request.fixturenames else None
+    if build:
+        use_cpu_build(monkeypatch, build)
 
 
 def test_quantized_forward_is_invariant_to_the_step_width(quantized_pair):
@@ -163,7 +172,7 @@ def test_quantized_forward_is_invariant_to_the_step_width(quantized_pair):
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_quantized_greedy_speculative_equals_plain(quantized_pair, drafter):
-    target, draft = quantized_pair
+    target, draft, _ = quantized_pair
     plain = build_generator(target, drafter="none")
     prompts = random_prompts(12, 64, seed=5)
     expected = [plain.generate(p, max_new_tokens=20, eos_ids=[]).token_ids for p in prompts]

@@ -30,17 +30,19 @@ def reference(ext, x, weights):
 
 @pytest.fixture(scope="module", params=["native", "avx512-emulated"])
 def ext(request):
-    """Each test on this CPU's build of the kernel, then on its AVX-512 (VNNI) path, emulated (conftest), which the
-    layers then use too."""
-    if request.param == "native":
-        module = w4a8.extension()
-        assert module is not None, "the C++ kernel did not build (see the warning): g++ and ninja are needed"
-        yield module
-        return
-    module = emulated_avx512_build()
-    with pytest.MonkeyPatch.context() as mp:
-        use_cpu_build(mp, module)
-        yield module
+    """Each test on this CPU's build of the kernel, then on its AVX-512 (VNNI) path, emulated (conftest)."""
+    if request.param == "avx512-emulated":
+        return emulated_avx512_build()
+    module = w4a8.extension()
+    assert module is not None, "the C++ kernel did not build (see the warning): g++ and ninja are needed"
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _layers_use_the_build_under_test(request, monkeypatch):
+    """A test of a build: the layers it makes (W4A8Linear, ...) call that build too. Other tests: this CPU's."""
+    if "ext" in request.fixturenames:
+        use_cpu_build(monkeypatch, request.getfixturevalue("ext"))
 
 
 def _case(N: int, K: int, seed: int = 0):

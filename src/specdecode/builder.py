@@ -21,7 +21,7 @@ from specdecode.serving.scheduler import Scheduler
 DRAFTERS = ("model", "ngram", "hybrid", "none")
 WITH_DRAFT_MODEL = ("model", "hybrid")  # the drafters that load and run a draft model
 VERIFY_WIDTH = 9  # rows of every target decode forward in bit-exact mode: gamma <= 8
-DEFAULT_GAMMA = 4  # the draft model's; copied tokens cost nothing to draft, so lookup proposes up to the width
+DEFAULT_GAMMA = 4  # the draft model's fixed length (server, hybrid, bench `model`) and where chosen lengths start
 # drafters whose draft length the cost model may choose (hybrid mixes a free lookup and a paid draft in one length)
 ADAPTIVE_DRAFTERS = ("model", "ngram")
 MAX_GAMMA = VERIFY_WIDTH - 1
@@ -105,9 +105,9 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
                     draft_vocab: int | None = None) -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule.
 
-    gamma: a fixed draft length, 1..8. By default the model and ngram drafters choose each step's length (0
-    included) from the measured costs and acceptance (engine.CostModel), which was faster than any fixed length
-    in every benchmark here; hybrid drafts 4 model tokens or up to 8 copied ones. quant / draft_quant:
+    gamma: a fixed draft length, 1..8 (for hybrid: its model's). By default the model and ngram drafters choose
+    each step's length (0 included) from the measured costs and acceptance (engine.CostModel), faster than gamma 4
+    in every benchmark that ran both; hybrid drafts 4 model tokens or up to 8 copied ones. quant / draft_quant:
     weight-only quantization of the target / the draft when they are loaded here ("auto": fastest here).
     draft_vocab: the draft proposes only token ids below it (see load_draft)."""
     return _assemble(target, draft, drafter, gamma, dtype, device, bit_exact, max_context, quant, draft_quant,
@@ -116,10 +116,12 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
 
 def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue: int = 64,
                     on_step: Callable[[int], None] | None = None, **generator_args) -> Scheduler:
-    """A continuous-batching scheduler for the server: its drafter keeps one row per batch slot."""
+    """A continuous-batching scheduler for the server: its drafter keeps one row per batch slot. Its batched steps
+    draft fixed lengths (gamma, default 4 for the draft model and 8 for lookups): the cost model is per sequence."""
     if max_batch < 1 or max_queue < 0:
         raise InvalidRequestError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
-    return Scheduler(_assemble(target, **generator_args, batch=max_batch), max_batch, max_queue, on_step)
+    return Scheduler(_assemble(target, **generator_args, batch=max_batch, choose_lengths=False), max_batch, max_queue,
+                     on_step)
 
 
 def check_drafting(drafter: str, gamma: int | None) -> None:
@@ -133,9 +135,10 @@ def check_drafting(drafter: str, gamma: int | None) -> None:
 def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
               gamma: int | None = None, dtype: str = "auto", device: str = "cpu",
               bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
-              draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
+              draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1,
+              choose_lengths: bool = True) -> SpeculativeGenerator:
     check_drafting(drafter, gamma)
-    adaptive = gamma is None and drafter in ADAPTIVE_DRAFTERS
+    adaptive = choose_lengths and gamma is None and drafter in ADAPTIVE_DRAFTERS
     model_gamma = gamma or DEFAULT_GAMMA
     schedule = GammaSchedule(MAX_GAMMA if drafter == "hybrid" or (drafter == "ngram" and gamma is None)
                              else model_gamma, adaptive, maximum=MAX_GAMMA)

@@ -10,17 +10,20 @@ from pathlib import Path
 from specdecode.errors import InvalidRequestError, SpecDecodeError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.builder import DEFAULT_GAMMA, DRAFTERS
+def _add_model_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    from specdecode.builder import DEFAULT_GAMMA, DRAFTERS, MAX_GAMMA
     from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"catalog name, HF folder or GGUF file (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
-    p.add_argument("--gamma", type=int, default=None,
-                   help="a fixed number of draft tokens per step, 1..8 (default: the model and ngram drafters choose "
-                        "each step's length, 0 included, from the measured costs and acceptance; hybrid drafts "
-                        f"{DEFAULT_GAMMA} model tokens or up to 8 copied ones)")
+    p.add_argument("--gamma", type=int, default=None, help=(
+        f"draft tokens per step, 1..{MAX_GAMMA} (default: {DEFAULT_GAMMA} for the draft model, {MAX_GAMMA} for lookups)"
+        if serving else
+        f"a fixed number of draft tokens per step, 1..{MAX_GAMMA} (default: the model and ngram drafters choose each "
+        "step's length, 0 included, from the measured costs and acceptance; a seeded sample with rejection coupling "
+        f"grows and shrinks it from {DEFAULT_GAMMA} instead, so that the seed reproduces it; hybrid drafts "
+        f"{DEFAULT_GAMMA} model tokens or up to {MAX_GAMMA} copied ones)"))
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto (default): bfloat16 where its matmuls are clearly faster on this CPU (measured once, "
                         "cached), else float32")
@@ -149,7 +152,9 @@ def _runtime_bench(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from specdecode.bench.methods import OURS
     from specdecode.bench.spec_bench import benchmark, markdown_table, report
+    from specdecode.builder import check_drafting
 
+    check_drafting("model", args.gamma)  # before anything loads
     if args.report:
         summary = report(args.out)
     else:
@@ -321,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative steps",
                         description="POST /v1/completions and /v1/chat/completions (stream or not), GET /v1/models, "
                                     "/health, /metrics (Prometheus), /docs and /openapi.json.")
-    _add_model_args(sv)
+    _add_model_args(sv, serving=True)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-batch", type=int, default=8, help="sequences decoded together per engine step")

@@ -96,8 +96,9 @@ class CostModel:
 
 @dataclass(frozen=True)
 class GammaSchedule:
-    """Draft length: fixed, or adaptive: chosen by the generator's CostModel once it has measured enough, before
-    that grown after a fully accepted draft and shrunk after an early rejection."""
+    """Draft length: fixed, or adaptive: chosen by the generator's CostModel once it has measured enough (except
+    for seeded samples with rejection coupling, whose draws depend on it), before that (and for those samples)
+    grown after a fully accepted draft and shrunk after an early rejection."""
 
     initial: int = 4
     adaptive: bool = False
@@ -314,7 +315,8 @@ class SpeculativeGenerator:
         seq.prefill(self.target, self.cache)
         self.costs.drafted_last = False
         while seq.finish is None:
-            chosen = self.costs.best_gamma(self.gamma.maximum) if self.gamma.adaptive else None
+            by_costs = self.gamma.adaptive and not seq.params.draws_depend_on_draft_lengths  # timings vary by run
+            chosen = self.costs.best_gamma(self.gamma.maximum) if by_costs else None
             seq.gamma = seq.gamma if chosen is None else chosen
             accepted_before = seq.stats.accepted_tokens
             t0 = time.perf_counter()

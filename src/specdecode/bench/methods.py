@@ -130,7 +130,7 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
             if key not in targets:
                 targets[key] = load_target(target, dtype=spec.dtype, bit_exact=bit_exact, quant=spec.quant)
             cfg = dict(_OUR_CONFIG[spec.kind])
-            if gamma and "gamma" in cfg:  # bench --gamma: the length of the fixed-length methods
+            if gamma is not None and "gamma" in cfg:  # bench --gamma: the length of the fixed-length methods
                 cfg["gamma"] = gamma
             dft = None
             if cfg["drafter"] in WITH_DRAFT_MODEL:

@@ -44,6 +44,12 @@ class SamplingParams:
     def gumbel(self) -> bool:
         return self.coupling == "gumbel" and not self.greedy
 
+    @property
+    def draws_depend_on_draft_lengths(self) -> bool:
+        """A seeded sample with rejection coupling: which random numbers a token takes depends on how many tokens
+        each step drafted, so a seed reproduces the output only if the lengths do not come from timings."""
+        return self.seed is not None and not self.greedy and not self.gumbel
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)
         if self.seed is None:
