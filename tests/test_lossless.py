@@ -58,7 +58,8 @@ def test_greedy_speculative_equals_plain_greedy(tiny_pair, plain_outputs, drafte
 
 
 def _costs(forward: dict[int, float], draft: float, accepted: float, rejected: float) -> CostModel:
-    return CostModel(forward=dict(forward), draft=draft, accepted=accepted, rejected=rejected)
+    return CostModel(forward=dict(forward), draft=draft, accepted=accepted, rejected=rejected,
+                     drafted_tokens=CostModel.WARM_UP)
 
 
 def test_the_cost_model_waits_for_two_widths_and_a_draft():
@@ -69,9 +70,19 @@ def test_the_cost_model_waits_for_two_widths_and_a_draft():
     costs.observe(5, 0.1, 4, 3, 0.04)
     assert costs.best_gamma(8) is None and costs.draft == pytest.approx(0.01)  # one width: no slope yet
     costs.observe(9, 0.2, 8, 8, 0.08)
-    assert costs.best_gamma(8) is not None
+    assert costs.best_gamma(8) is not None  # 16 tokens drafted: CostModel.WARM_UP
     assert costs.forward_seconds(1) == pytest.approx(0.025)  # extrapolated to 0, bounded below by a quarter
     assert costs.forward_seconds(7) == pytest.approx(0.15)
+
+
+def test_the_cost_model_trusts_the_acceptance_after_a_warm_up():
+    costs = CostModel()
+    for width, accepted in ((5, 1), (3, 0), (2, 0)):  # two timed widths, a steady draft, 3 of 7 accepted
+        costs.observe(width, 0.05 * width, width - 1, accepted, 0.01 * (width - 1))
+    assert costs.best_gamma(8) is None  # 7 drafted tokens say little: the grow/shrink rule goes on
+    for _ in range(3):
+        costs.observe(4, 0.2, 3, 1, 0.03)
+    assert costs.best_gamma(8) is not None
 
 
 def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes():

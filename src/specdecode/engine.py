@@ -39,8 +39,12 @@ class CostModel:
     """
 
     PROBE_AFTER = 16
+    WARM_UP = 16  # drafted tokens before the acceptance is trusted: two drafts of 4 are too few to give up drafting
     MAX_PROBE_AFTER = 1024
-    decay: float = 0.9
+    decay: float = 0.9  # of the timings
+    # of the acceptance counts: slower, since a few drafts say little about it and a dip (two rejections in ten
+    # drafts) must not switch drafting off on a prompt where it pays: plain steps bring no news to undo that
+    acceptance_decay: float = 0.97
     forward: dict[int, float] = field(default_factory=dict)  # width -> seconds
     draft: float | None = None  # seconds per drafted token
     accepted: float = 1.0  # decayed counts of accepted and rejected drafted tokens: a 50% prior
@@ -49,6 +53,7 @@ class CostModel:
     probing: int = 0  # probe steps still to run
     probe_after: int = PROBE_AFTER  # plain steps in a row before the next probe
     drafted_last: bool = False  # whether this request's previous step drafted
+    drafted_tokens: int = 0
 
     def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
         d = self.decay
@@ -57,7 +62,9 @@ class CostModel:
         if drafted and self.drafted_last:  # a steady drafting step: no catching up on the context
             per_token = draft_s / drafted
             self.draft = per_token if self.draft is None else d * self.draft + (1 - d) * per_token
+        self.drafted_tokens += drafted
         if drafted:
+            d = self.acceptance_decay
             self.accepted = d * self.accepted + accepted
             self.rejected = d * self.rejected + (accepted < drafted)
         self.drafted_last = drafted > 0
@@ -71,8 +78,9 @@ class CostModel:
         return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), min(self.forward.values()) / 4)
 
     def best_gamma(self, maximum: int) -> int | None:
-        """The draft length worth running now, or None until a draft and two forward widths have been timed."""
-        if self.draft is None or len(self.forward) < 2:
+        """The draft length worth running now, or None until a draft and two forward widths have been timed and
+        WARM_UP tokens drafted."""
+        if self.draft is None or len(self.forward) < 2 or self.drafted_tokens < self.WARM_UP:
             return None
         a = self.accepted / (self.accepted + self.rejected)
 
