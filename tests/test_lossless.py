@@ -63,14 +63,14 @@ def _costs(forward: dict[int, float], draft: float, accepted: float, rejected: f
 
 
 def test_the_cost_model_waits_for_two_widths_and_a_draft():
-    costs = CostModel()
+    costs = CostModel(drafted_tokens=CostModel.WARM_UP)  # past the warm-up (its own test)
     assert costs.best_gamma(8) is None
     costs.observe(5, 0.1, 4, 3, 2.0)  # a request's first draft also fills the draft model's cache: not its cost
     assert costs.best_gamma(8) is None and costs.draft is None
     costs.observe(5, 0.1, 4, 3, 0.04)
     assert costs.best_gamma(8) is None and costs.draft == pytest.approx(0.01)  # one width: no slope yet
     costs.observe(9, 0.2, 8, 8, 0.08)
-    assert costs.best_gamma(8) is not None  # 16 tokens drafted: CostModel.WARM_UP
+    assert costs.best_gamma(8) is not None
     assert costs.forward_seconds(1) == pytest.approx(0.025)  # extrapolated to 0, bounded below by a quarter
     assert costs.forward_seconds(7) == pytest.approx(0.15)
 
@@ -83,6 +83,15 @@ def test_the_cost_model_trusts_the_acceptance_after_a_warm_up():
     for _ in range(3):
         costs.observe(4, 0.2, 3, 1, 0.03)
     assert costs.best_gamma(8) is not None
+
+
+def test_the_acceptance_is_averaged_slowly_but_probes_count_fully():
+    costs = CostModel()
+    costs.observe(5, 0.1, 4, 4, 0.04)
+    assert (costs.accepted, costs.rejected) == pytest.approx((0.97 + 4, 0.97))
+    costs.probe_step = True  # set by best_gamma when it chooses a probe
+    costs.observe(2, 0.05, 1, 0, 0.01)
+    assert (costs.accepted, costs.rejected) == pytest.approx((0.9 * 4.97, 0.9 * 0.97 + 1))
 
 
 def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes():

@@ -35,16 +35,18 @@ class CostModel:
     missed (the prompt too: on a CPU where drafting never pays, probing every 16 steps cost 40% more time per
     prompt token). The draft's cost is only taken from a drafting step that follows one within the same
     request: the first also reads the prompt or the tokens since the last draft into the draft model's cache.
+    It decides nothing before WARM_UP tokens have been drafted (the grow/shrink rule runs meanwhile), and it
+    averages the acceptance more slowly than the timings, except on probes: a few drafts say little about the
+    acceptance, and plain steps bring no news to undo a dip, so a dip must not switch drafting off where it pays,
+    while a probe is the only news there is.
     Which gamma runs never changes the output, only the speed.
     """
 
     PROBE_AFTER = 16
     WARM_UP = 16  # drafted tokens before the acceptance is trusted: two drafts of 4 are too few to give up drafting
     MAX_PROBE_AFTER = 1024
-    decay: float = 0.9  # of the timings
-    # of the acceptance counts: slower, since a few drafts say little about it and a dip (two rejections in ten
-    # drafts) must not switch drafting off on a prompt where it pays: plain steps bring no news to undo that
-    acceptance_decay: float = 0.97
+    decay: float = 0.9  # of the timings, and of the acceptance counts on probe steps
+    acceptance_decay: float = 0.97  # of the acceptance counts on other drafting steps
     forward: dict[int, float] = field(default_factory=dict)  # width -> seconds
     draft: float | None = None  # seconds per drafted token
     accepted: float = 1.0  # decayed counts of accepted and rejected drafted tokens: a 50% prior
@@ -53,7 +55,8 @@ class CostModel:
     probing: int = 0  # probe steps still to run
     probe_after: int = PROBE_AFTER  # plain steps in a row before the next probe
     drafted_last: bool = False  # whether this request's previous step drafted
-    drafted_tokens: int = 0
+    drafted_tokens: int = 0  # over the generator's life
+    probe_step: bool = False  # whether `best_gamma` last chose a probe
 
     def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
         d = self.decay
@@ -64,7 +67,7 @@ class CostModel:
             self.draft = per_token if self.draft is None else d * self.draft + (1 - d) * per_token
         self.drafted_tokens += drafted
         if drafted:
-            d = self.acceptance_decay
+            d = self.decay if self.probe_step else self.acceptance_decay
             self.accepted = d * self.accepted + accepted
             self.rejected = d * self.rejected + (accepted < drafted)
         self.drafted_last = drafted > 0
@@ -95,7 +98,8 @@ class CostModel:
         if self.plain_steps > self.probe_after:
             self.plain_steps, self.probing = 0, 2
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
-        if self.probing and best == 0:
+        self.probe_step = bool(self.probing and best == 0)
+        if self.probe_step:
             self.probing -= 1
             return 1
         self.probing = 0
