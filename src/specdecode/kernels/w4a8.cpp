@@ -628,17 +628,24 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
   }, Output(x, N, bias, dtype));
 }
 
+// W8A8's arithmetic on Bits-bit weights (8 or 6) with a float32 scale per block: [..., K] -> [..., N] in dtype
+template <int Bits>
+torch::Tensor block_scaled_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& wscale,
+                              const c10::optional<torch::Tensor>& bias, c10::optional<at::ScalarType> dtype) {
+  check_weights(x, packed, wscale, Bits);
+  const int64_t N = packed.size(0), bytes = packed.size(1), Kp = bytes * 8 / Bits;
+  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
+  const float* ws = wscale.data_ptr<float>();
+  return matmul(x, N, Kp, false, kChunks8<Bits>,
+                [&](int64_t n) { return Row{w + n * bytes, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; },
+                Output(x, N, bias, dtype));
+}
+
 // x: [..., K] float32 or bfloat16; packed: [N, Kp] int8; wscale: [N, Kp / 32] float32; bias: [N] or None ->
 // [..., N] in dtype
 torch::Tensor w8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, c10::optional<torch::Tensor> bias,
                       c10::optional<at::ScalarType> dtype) {
-  check_weights(x, packed, wscale, 8);
-  const int64_t N = packed.size(0), Kp = packed.size(1);
-  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
-  const float* ws = wscale.data_ptr<float>();
-  return matmul(x, N, Kp, false, kChunks8<8>,
-                [&](int64_t n) { return Row{w + n * Kp, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; },
-                Output(x, N, bias, dtype));
+  return block_scaled_mm<8>(x, packed, wscale, bias, dtype);
 }
 
 // x: [..., K] float32 or bfloat16; packed: [N, Kp * 3 / 4] uint8 (48 bytes per pair); wscale: [N, Kp / 32] float32;
@@ -647,13 +654,7 @@ torch::Tensor w6a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscal
                       c10::optional<at::ScalarType> dtype) {
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) % kPair6 == 0,
               "6-bit weights take 48 bytes per pair of blocks: packed must be [N, Kp * 3 / 4]");
-  check_weights(x, packed, wscale, 6);
-  const int64_t N = packed.size(0), Kp = packed.size(1) * 8 / 6, bytes = packed.size(1);
-  const auto* w = packed.data_ptr<uint8_t>();
-  const float* ws = wscale.data_ptr<float>();
-  return matmul(x, N, Kp, false, kChunks8<6>,
-                [&](int64_t n) { return Row{w + n * bytes, ws + n * (Kp / kBlock), nullptr, nullptr, nullptr}; },
-                Output(x, N, bias, dtype));
+  return block_scaled_mm<6>(x, packed, wscale, bias, dtype);
 }
 
 std::string simd_path() { return kPath; }
