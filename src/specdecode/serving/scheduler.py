@@ -21,15 +21,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
-from specdecode.drafting.base import DraftRequest
+from specdecode.drafting.base import Draft, DraftRequest
 from specdecode.engine import GenerationResult, Sequence, SpeculativeGenerator, TokenEvent
 from specdecode.errors import SpecDecodeError
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Event = TokenEvent | GenerationResult | Exception  # an Exception ends the request with an error
 
 
@@ -125,24 +127,21 @@ class Scheduler:
         if not batch:
             return
         t0 = time.perf_counter()
-        drafts = self.drafter.propose_batch([DraftRequest(r.slot, r.seq.ids, r.seq.draft_len(), r.seq.params,
-                                                          r.seq.generator) for r in batch])
+        batch, proposed = self._each_alone_on_error(batch, self._draft, "drafting")
+        drafts = dict(zip(batch, proposed))
         t1 = time.perf_counter()
-        width = 1 + max(len(d.tokens) for d in drafts)
-        tokens = torch.tensor([[r.seq.ids[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens))
-                               for r, d in zip(batch, drafts)])  # [B, width]
-        start = torch.tensor([len(r.seq.ids) - 1 for r in batch])
-        rows = torch.tensor([r.slot for r in batch])
-        logits = self.target(tokens, start, self.cache, rows=rows)  # [B, width, V]
+        batch, logits = self._each_alone_on_error(batch, lambda reqs: self._forward(reqs, drafts), "the target forward")
         forward_seconds = time.perf_counter() - t1
+        if not batch:
+            return
         self.steps += 1
         self.sequence_steps += len(batch)
         if self.on_step is not None:
             self.on_step(len(batch))
-        for b, (req, draft) in enumerate(zip(batch, drafts)):
-            seq = req.seq
+        for req, seq_logits in zip(batch, logits):
+            seq, draft = req.seq, drafts[req]
             try:  # one sequence's failure (e.g. a degenerate distribution) must not fail the others
-                events = seq.accept(logits[b:b + 1, :len(draft.tokens) + 1], draft)
+                events = seq.accept(seq_logits.unsqueeze(0), draft)
             except Exception as exc:
                 log.exception("verification failed for one sequence")
                 self._finish(req, [exc])
@@ -153,6 +152,42 @@ class Scheduler:
                 req.emit(event)
             if seq.finish is not None:
                 self._finish(req, seq.close())
+
+    def _draft(self, batch: list[Request]) -> list[Draft]:
+        return self.drafter.propose_batch([DraftRequest(r.slot, r.seq.ids, r.seq.draft_len(), r.seq.params,
+                                                        r.seq.generator) for r in batch])
+
+    def _forward(self, batch: list[Request], drafts: dict[Request, Draft]) -> list[torch.Tensor]:
+        """The target's logits [1 + g, V] of each sequence after [last, draft...], from one forward."""
+        width = 1 + max(len(drafts[r].tokens) for r in batch)
+        tokens = torch.tensor([[r.seq.ids[-1]] + drafts[r].tokens + [0] * (width - 1 - len(drafts[r].tokens))
+                               for r in batch])  # [B, width]
+        start = torch.tensor([len(r.seq.ids) - 1 for r in batch])
+        rows = torch.tensor([r.slot for r in batch])
+        logits = self.target(tokens, start, self.cache, rows=rows)  # [B, width, V]
+        return [logits[b, :len(drafts[r].tokens) + 1] for b, r in enumerate(batch)]
+
+    def _each_alone_on_error(self, batch: list[Request], run: Callable[[list[Request]], list[T]],
+                             what: str) -> tuple[list[Request], list[T]]:
+        """`run(batch)` (one result per request); if it raises, `run([req])` for each request alone, so that an
+        error one sequence causes fails that sequence only. Returns the requests that went through and their
+        results. A sequence gives the same bits alone or batched (`Transformer.enable_batching`)."""
+        try:
+            return batch, run(batch)
+        except Exception:
+            if len(batch) > 1:
+                log.warning("%s failed for a batch of %d; running each sequence alone", what, len(batch))
+        kept: list[Request] = []
+        results: list[T] = []
+        for req in batch:
+            try:
+                results += run([req])
+            except Exception as exc:
+                log.exception("%s failed for one sequence", what)
+                self._finish(req, [exc])
+                continue
+            kept.append(req)
+        return kept, results
 
     def _admit(self) -> None:
         with self._cond:

@@ -14,11 +14,12 @@ from specdecode.errors import InvalidRequestError
 
 
 COUPLINGS = ("rejection", "gumbel")
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy decoding (as vLLM's): its softmax would over- or underflow
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_BELOW (0 included) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
@@ -38,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def gumbel(self) -> bool:
@@ -74,6 +75,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # also where top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
