@@ -14,11 +14,17 @@ from specdecode.drafting.base import Draft, Drafter
 from specdecode.errors import InvalidRequestError
 from specdecode.models.decoder import Transformer
 from specdecode.stats import GenerationStats
+from specdecode.stop_strings import StopStrings
 from specdecode.verification.sampling import SamplingParams
 from specdecode.verification.verify import verify
 
 
 DEFAULT_MAX_CONTEXT = 8192  # tokens; caps the preallocated KV cache of long-context models
+# A text this many times longer than the context is judged on a prefix of that length first: if the prefix alone has
+# more tokens than the context holds (less a slack for the tokens its cut end may split differently), it is refused
+# without tokenizing the rest.
+PREFIX_CHARACTERS_PER_TOKEN = 16
+PREFIX_SLACK_TOKENS = 64
 
 
 @dataclass
@@ -183,6 +189,7 @@ class Sequence:
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.out: list[int] = []
         self.text = ""  # emitted so far: `decoded`'s text less what is held back as a possible stop string
+        self.stops = StopStrings(stop)
         self.decoded = IncrementalText(tokenizer)
         self.finish: str | None = None  # "stop" (eos or stop string) | "length"
         self._hit_stop = False
@@ -215,7 +222,7 @@ class Sequence:
             self.ids.append(tok)
             self.out.append(tok)
             self.decoded.update(self.out)
-            piece, self.text, self._hit_stop = _emit(self.decoded.text, self.text, self.stop)
+            piece = self._new_text()
             events.append(TokenEvent(tok, piece, drafted=i < accepted))
             if self._hit_stop:
                 self.finish = "stop"
@@ -224,6 +231,17 @@ class Sequence:
                 self.finish = "length"
                 break
         return events
+
+    def _new_text(self) -> str:
+        """The text the last token adds to `text`, less what could be the start of a stop string (held back until
+        later tokens decide it); up to the first stop string if one appeared (`_hit_stop`)."""
+        full = self.decoded.text  # grows at its end only (IncrementalText holds back incomplete characters)
+        at = self.stops.feed(full[self.stops.fed:])
+        self._hit_stop = at is not None
+        end = at if at is not None else max(len(self.text), len(full) - self.stops.held)
+        piece = full[len(self.text):end]
+        self.text += piece
+        return piece
 
     def close(self) -> list[TokenEvent | GenerationResult]:
         """The last events of a finished sequence: text held back as a possible stop string, then the result."""
@@ -264,12 +282,14 @@ class SpeculativeGenerator:
         if isinstance(prompt, str) and chat:
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            self._check_text("\n".join(str(m.get("content", "")) for m in prompt))
             return self._apply_chat_template(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
+            self._check_text(prompt)
             return self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         if not ids:
@@ -278,6 +298,21 @@ class SpeculativeGenerator:
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
+
+    def _check_text(self, text: str) -> None:
+        """Refuse text that is not valid Unicode, and text whose first part alone overflows the context, before
+        the whole of it is tokenized (megabytes take seconds and gigabytes of memory)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"the prompt holds a lone surrogate ({text[exc.start]!r} at character "
+                                      f"{exc.start}); send valid Unicode") from None
+        prefix = PREFIX_CHARACTERS_PER_TOKEN * self.max_context
+        if self.tokenizer is not None and len(text) > prefix:
+            tokens = len(self.tokenizer.encode(text[:prefix], add_special_tokens=False))
+            if tokens > self.max_context + PREFIX_SLACK_TOKENS:
+                raise InvalidRequestError(f"the prompt has more than {tokens - PREFIX_SLACK_TOKENS} tokens in its "
+                                          f"first {prefix} characters; the context holds {self.max_context}")
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -343,16 +378,3 @@ class SpeculativeGenerator:
                                seq.stats.accepted_tokens - accepted_before, t1 - t0)
             yield from events
         yield from seq.close()
-
-
-def _emit(full: str, text: str, stop: tuple[str, ...]) -> tuple[str, str, bool]:
-    """The new piece of text, the text emitted so far, and whether a stop string appeared, given all the text
-    decoded so far (`full`, which holds back incomplete UTF-8 characters itself). Text that could be the start
-    of a stop string is held back until the next token decides it."""
-    for s in stop:
-        at = full.find(s, max(0, len(text) - len(s)))
-        if s and at >= 0:
-            return full[len(text):at], full[:at], True
-    held = max((k for s in stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
-    safe = max(len(text), len(full) - held)
-    return full[len(text):safe], full[:safe], False
