@@ -11,19 +11,19 @@ The extensions link no OpenMP runtime of their own: they use the one torch's whe
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-STALE_LOCK_SECONDS = 600
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused multiply-adds: see the sources
 KERNELS = Path(__file__).parent
 # one library: layer.cpp calls into the other two (cpu_ops.h) and binds them all
@@ -55,19 +55,43 @@ def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (), h
     module = f"specdecode_{name}_{key}"
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        lock = build_dir / "lock"  # left behind by a build that was killed: torch would wait on it forever
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
-        if not (build_dir / f"{module}.so").exists():
-            print(f"specdecode: building the {name} kernels for this CPU (once, about a minute) in "
-                  f"{build_dir}", file=sys.stderr, flush=True)
-        _put_ninja_on_path()
-        return cpp_extension.load(name=module, sources=[str(s) for s in sources], build_directory=str(build_dir),
-                                  verbose=False, extra_cflags=[*FLAGS, *isa_flags])
+        with build_lock(build_dir, name):
+            if not (build_dir / f"{module}.so").exists():
+                print(f"specdecode: building the {name} kernels for this CPU (once, about a minute) in "
+                      f"{build_dir}", file=sys.stderr, flush=True)
+            _put_ninja_on_path()
+            return cpp_extension.load(name=module, sources=[str(s) for s in sources],
+                                      build_directory=str(build_dir), verbose=False, extra_cflags=[*FLAGS, *isa_flags])
     except Exception as exc:  # noqa: BLE001  no compiler, no ninja, an old assembler: fall back, loudly
         warnings.warn(f"the {name} C++ kernels could not be built in {build_dir} ({without}). The build said: "
                       f"...{str(exc)[-1500:]}", stacklevel=2)
         return None
+
+
+@contextmanager
+def build_lock(build_dir: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive flock on `build_dir`/build.flock (holder's pid inside) while torch builds or loads there.
+
+    The OS drops a flock when its holder dies, so a killed build never blocks a later one; a live one is waited
+    for with a message. torch's own `lock` file, which a killed build leaves behind and torch waits on forever, is
+    stale whenever we hold ours, and is removed."""
+    with open(build_dir / "build.flock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process"
+            print(f"specdecode: waiting for {holder} to finish building the {name} kernels in {build_dir}",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()}")
+            f.flush()
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_for_cpu(needs: set[str], make: Callable[[], ModuleType | None]) -> ModuleType | None:

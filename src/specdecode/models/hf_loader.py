@@ -42,10 +42,17 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, state
 
 
+# a tokenizer's vocabulary in one of the forms transformers reads (with tokenizer_config.json beside it, or not)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "tekken.json")
+
+
 def load_hf_tokenizer(folder: Path):
     """The folder's tokenizer (with its chat template) through transformers."""
     from transformers import AutoTokenizer
 
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):  # transformers would build an empty one
+        raise ModelLoadError(f"{folder} has no tokenizer: expected one of {', '.join(TOKENIZER_FILES)} there "
+                             "(copy the tokenizer files from the model's original folder)")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:

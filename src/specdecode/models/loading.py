@@ -13,7 +13,7 @@ import torch
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.catalog import resolve
 from specdecode.models.decoder import Transformer
-from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer
+from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer, read_gguf_config
 from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
 from specdecode.models.linear import parse_quant
 from specdecode.models.weight_cache import WeightCache
@@ -78,6 +78,8 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     model = cache.load_model(torch_dtype, settings, head_rows, decode_width, dev) if cache else None
     from_cache = model is not None
     if model is None:
+        if is_gguf:
+            read_gguf_config(path)  # a broken file fails here, before the message below promises minutes of work
         if cache:
             print(f"specdecode: first load of {path.name} as {str(torch_dtype).removeprefix('torch.')}/{settings}: "
                   f"dequantizing and packing (one to two minutes for the 1.5B on 2 cores), then cached in "
