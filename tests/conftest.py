@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import platform
 import random
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,3 +140,38 @@ def corrupt_json(path: Path, key: str, value) -> None:
     cfg = json.loads(path.read_text())
     cfg[key] = value
     path.write_text(json.dumps(cfg))
+
+
+# --- the server of test_server*.py: the tiny pair behind the OpenAI API, with a key --------------------------
+
+API_KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_CONTEXT = 256
+WORDS = ["hello world", "The cat sat on the mat", "abc def ghi", "Speculative decoding is lossless",
+         "x1 y2 z3", "Once upon a time", "numbers 12345", "quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    import openai
+
+    from specdecode.builder import build_generator, build_scheduler
+    from specdecode.serving.app import create_app, serve_in_thread
+
+    target, draft = tiny_pair
+    target.tokenizer.chat_template = CHAT
+    scheduler = build_scheduler(target, draft=draft, drafter="model", max_batch=4, max_queue=32,
+                                max_context=MAX_CONTEXT)
+    app = create_app(scheduler, "tiny", api_key=API_KEY)
+    reference = build_generator(target, draft=draft, drafter="model", max_context=MAX_CONTEXT)
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        yield SimpleNamespace(url=url, client=client, scheduler=scheduler, reference=reference, target=target,
+                              draft=draft)
+
+
+def wait_idle(scheduler, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while scheduler.running or scheduler.queued:
+        assert time.time() < deadline, f"{scheduler.running} running, {scheduler.queued} waiting"
+        time.sleep(0.02)

@@ -7,7 +7,6 @@ import io
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -18,34 +17,7 @@ from specdecode.builder import build_generator, build_scheduler
 from specdecode.kernels import decode_ops
 from specdecode.serving.app import create_app, serve_in_thread
 
-from .conftest import CHAT
-
-API_KEY = "sk-test"
-MAX_CONTEXT = 256
-WORDS = ["hello world", "The cat sat on the mat", "abc def ghi", "Speculative decoding is lossless",
-         "x1 y2 z3", "Once upon a time", "numbers 12345", "quick brown fox"]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_pair):
-    target, draft = tiny_pair
-    target.tokenizer.chat_template = CHAT
-    scheduler = build_scheduler(target, draft=draft, drafter="model", max_batch=4, max_queue=32,
-                                max_context=MAX_CONTEXT)
-    app = create_app(scheduler, "tiny", api_key=API_KEY)
-    reference = build_generator(target, draft=draft, drafter="model", max_context=MAX_CONTEXT)
-    with serve_in_thread(app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        yield SimpleNamespace(url=url, client=client, scheduler=scheduler, reference=reference, target=target,
-                              draft=draft)
-
-
-def _wait_idle(scheduler, timeout: float = 20) -> None:
-    deadline = time.time() + timeout
-    while scheduler.running or scheduler.queued:
-        assert time.time() < deadline, f"{scheduler.running} running, {scheduler.queued} waiting"
-        time.sleep(0.02)
-
+from .conftest import API_KEY, AUTH, CHAT, MAX_CONTEXT, WORDS, wait_idle
 
 def test_completion_greedy_equals_the_engine_and_reports_stats(server):
     r = server.client.completions.create(model="tiny", prompt="hello world", max_tokens=30, temperature=0)
@@ -126,7 +98,7 @@ def test_sixteen_concurrent_streaming_clients_match_their_single_outputs(server)
         assert text == server.reference.generate(prompt, max_new_tokens=40).text
     # the requests' own verify steps, had each run alone; shared steps make far fewer
     assert server.scheduler.steps - steps_before < sum(passes for _, passes in replies) / 2
-    _wait_idle(server.scheduler)
+    wait_idle(server.scheduler)
 
 
 def test_a_client_that_disconnects_frees_its_sequence(server, monkeypatch):
@@ -140,9 +112,9 @@ def test_a_client_that_disconnects_frees_its_sequence(server, monkeypatch):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # one token arrived; now hang up
-    _wait_idle(server.scheduler)
+    wait_idle(server.scheduler)
     assert server.scheduler.cancelled == cancelled + 1  # dropped mid-way, not run to the end
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
     assert "specdecode_num_requests_running 0.0" in metrics
 
 
@@ -154,7 +126,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_sequence(server, monk
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=httpx.Timeout(30, read=0.5))
-    _wait_idle(server.scheduler)
+    wait_idle(server.scheduler)
     assert server.scheduler.cancelled == cancelled + 1
 
 
@@ -180,12 +152,12 @@ def test_one_failing_sequence_does_not_fail_its_batch(server, monkeypatch):
     assert [r.status_code for r in replies] == [200, 200, 500, 200]
     assert "planted failure" in replies[2].json()["error"]["message"]
     assert all(r.json()["usage"]["completion_tokens"] == 30 for r in replies if r.status_code == 200)
-    _wait_idle(server.scheduler)
+    wait_idle(server.scheduler)
 
 
 def test_metrics_health_models_and_openapi(server):
     server.client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0)
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
     for name in ["specdecode_spec_decode_num_drafts_total", "specdecode_spec_decode_num_draft_tokens_total",
                  "specdecode_spec_decode_num_accepted_tokens_total",
                  'specdecode_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
@@ -198,7 +170,7 @@ def test_metrics_health_models_and_openapi(server):
     assert drafted > 0
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert [m.id for m in server.client.models.list()] == ["tiny"]
-    schema = httpx.get(server.url + "/openapi.json").json()
+    schema = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(schema["paths"])
 
 
@@ -248,7 +220,7 @@ def test_api_key_is_required(server):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
-    assert httpx.get(server.url + "/nowhere").json()["error"]["message"]
+    assert httpx.get(server.url + "/nowhere", headers=AUTH).json()["error"]["message"]
 
 
 def test_a_full_queue_answers_429(tiny_pair):
@@ -263,7 +235,7 @@ def test_a_full_queue_answers_429(tiny_pair):
             next(lines)  # the only slot is busy now
             r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2})
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-        _wait_idle(scheduler)
+        wait_idle(scheduler)
         assert httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from specdecode.errors import InvalidRequestError, SpecDecodeError
+from specdecode.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
 def _add_model_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
@@ -173,20 +175,36 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import os
+def _api_key(path: Path | None) -> str | None:
+    """The server's key: the first line of `path`, else $SPECDECODE_API_KEY, else None (no key). Never an argument:
+    other users of the machine would read it in `ps`."""
+    if path is None:
+        return os.environ.get("SPECDECODE_API_KEY") or None
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read the API key file {path}: {exc.strerror}") from exc
+    if not key:
+        raise InvalidRequestError(f"the API key file {path} is empty")
+    return key
 
+
+def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specdecode.builder import build_scheduler
     from specdecode.serving.app import create_app
 
+    api_key = _api_key(args.api_key_file)  # before the slow load: a wrong path fails at once
+    if args.max_request_bytes < 1:
+        raise InvalidRequestError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     scheduler = build_scheduler(args.target, draft=args.draft, drafter=args.drafter, gamma=args.gamma,
                                 dtype=args.dtype, device=args.device, bit_exact=args.bit_exact,
                                 max_context=args.max_context, max_batch=args.max_batch, max_queue=args.max_queue,
                                 quant=args.quant, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab)
     name = args.served_model_name or Path(args.target).name
-    app = create_app(scheduler, name, api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY"))
+    app = create_app(scheduler, name, api_key=api_key, open_metrics=args.open_metrics,
+                     max_request_bytes=args.max_request_bytes)
     print(f"serving {name!r} (drafter {args.drafter}, up to {args.max_batch} sequences per step; linears stay "
           f"bit-exact for {scheduler.invariant_batch} sequences per matmul) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
@@ -200,7 +218,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.url:
         for n in args.clients:
             print(json.dumps(load(args.url, args.model, n, args.requests_per_client, args.max_tokens,
-                                  api_key=args.api_key)))
+                                  api_key=os.environ.get("SPECDECODE_API_KEY"))))
         return 0
     rows = serving_bench(args.target, args.draft, tuple(args.drafters), tuple(args.clients), args.max_batch,
                          args.requests_per_client, args.max_tokens, args.dtype, args.max_context, args.out,
@@ -333,7 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
     sv.add_argument("--max-context", type=int, default=None, help="prompt + output tokens per request "
                     "(default: the model's, capped at 8192); sizes the KV cache")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SPECDECODE_API_KEY)")
+    sv.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being this file's "
+                         "first line (or set $SPECDECODE_API_KEY)")
+    sv.add_argument("--open-metrics", action="store_true",
+                    help="with a key: leave /metrics open too, for a scraper on a trusted network")
+    sv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                    help="refuse request bodies larger than this with 413 (default: %(default)s)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sv.set_defaults(func=_serve)
@@ -341,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs = sub.add_parser("bench-serve", help="load-test the server: tokens/s and latency at several client counts",
                         description="Starts our server in-process for each drafter, batched (--max-batch) and with one "
                                     "sequence per step, and drives it with concurrent streaming chat clients on "
-                                    "Spec-Bench prompts (greedy). With --url, drives that server instead.")
+                                    "Spec-Bench prompts (greedy). With --url, drives that server instead "
+                                    "(with the key in $SPECDECODE_API_KEY if it needs one).")
     bs.add_argument("--target", default=DEFAULT_TARGET)
     bs.add_argument("--draft", default=DEFAULT_DRAFT)
     bs.add_argument("--drafters", nargs="+", default=["none", "model"], choices=["none", "ngram", "model", "hybrid"])
@@ -354,7 +379,6 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--out", type=Path, default=Path("bench_serve_out"))
     bs.add_argument("--url", default=None, help="load-test this running server (e.g. http://127.0.0.1:8000)")
     bs.add_argument("--model", default="bench", help="with --url: the model id to send")
-    bs.add_argument("--api-key", default=None)
     bs.set_defaults(func=_bench_serve)
 
     dr = sub.add_parser("doctor", help="CPU, kernels (ms for k rows, bit-exactness), bandwidth, floors, choices")

@@ -8,6 +8,9 @@ slot before the next engine step.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import hashlib
+import hmac
 import json
 import socket
 import threading
@@ -18,34 +21,46 @@ from contextlib import asynccontextmanager, contextmanager
 
 import uvicorn
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine import GenerationResult, TokenEvent
 from specdecode.errors import InvalidRequestError
+from specdecode.serving.limits import DEFAULT_MAX_REQUEST_BYTES, LARGE_PROMPT_CHARACTERS, RETRY_AFTER_SECONDS
 from specdecode.serving.metrics import Metrics
-from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 from specdecode.serving.scheduler import QueueFullError, Scheduler
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 KNOWN_PATHS = GENERATION_ENDPOINTS + ("/v1/models", "/health", "/metrics")
 ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 DISCONNECT_POLL_SECONDS = 0.5
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
-def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, ERROR_KINDS.get(status, "invalid_request_error"), param, code),
-                        status_code=status)
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: an error message that quotes a client's invalid text (a lone
+    surrogate) still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    return _ASCIIJSONResponse(error_body(message, ERROR_KINDS.get(status, "invalid_request_error"), param, code),
+                              status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -56,13 +71,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     if err.get("type") == "extra_forbidden":
         return f"unknown field {param!r}", param
+    if err.get("type") == "missing" and param is None:
+        return "the request has no body: send a JSON object", None
     if err.get("type") == "missing":
         return f"missing required field {param!r}", param
-    return (f"{param}: {err.get('msg')}" if param else str(err.get("msg"))), param
+    message = str(err.get("msg")).removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
 
 
 class _CountRequests:
-    """ASGI middleware counting every HTTP request by endpoint and status (499: the client went away)."""
+    """ASGI middleware counting every HTTP request by endpoint and status (499: the client went away, also
+    after a stream's 200 began)."""
 
     def __init__(self, app, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -83,11 +102,72 @@ class _CountRequests:
             status["code"] = 500  # answered by the server-error handler, outside this middleware
             raise
         finally:
+            if scope.get("state", {}).get("cancelled"):
+                status["code"] = 499
             path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
             self.metrics.requests.labels(endpoint=path, status=str(status["code"])).inc()
 
 
-def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> FastAPI:
+class _RequireKey:
+    """ASGI middleware: every path but `open_paths` needs 'Authorization: Bearer KEY', checked before the body is
+    read, in time that does not depend on how much of the key a guess got right."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app, self.open_paths = app, open_paths
+        self.expected = hashlib.sha256(b"Bearer " + api_key.encode()).digest()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(hashlib.sha256(given).digest(), self.expected):
+                response = _error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _LimitBody:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 before any of it is parsed. The body is read
+    here (at most `limit` bytes kept) and handed to the app as one message."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = _error_response(413, f"the request body is larger than {self.limit} bytes "
+                                         "(the server's --max-request-bytes)", code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await too_large(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await too_large(scope, receive, send)
+        first: dict | None = {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        async def replay() -> dict:
+            nonlocal first
+            if first is not None:
+                message, first = first, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, *, open_metrics: bool = False,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The OpenAI-compatible app. With `api_key`, every endpoint but /health (and /metrics if `open_metrics`)
+    needs it; request bodies over `max_request_bytes` are refused unread."""
+    if api_key is not None and not api_key:
+        raise InvalidRequestError("the API key is empty")
     gen = scheduler.gen
     metrics = Metrics(running=lambda: scheduler.running, waiting=lambda: scheduler.queued)
     scheduler.on_step = metrics.batch_size.observe
@@ -101,11 +181,18 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     app = FastAPI(title="specdecode", description="OpenAI-compatible API with lossless speculative decoding",
                   lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.add_middleware(_LimitBody, limit=max_request_bytes)  # the last added runs first: count, key, size
+    open_paths = None
+    if api_key is not None:
+        open_paths = frozenset({"/health"} | ({"/metrics"} if open_metrics else set()))
+        app.add_middleware(_RequireKey, api_key=api_key, open_paths=open_paths)
     app.add_middleware(_CountRequests, metrics=metrics)
+    app.openapi = lambda: _openapi(app, open_paths, gen.target.config.vocab_size,  # type: ignore[method-assign]
+                                   gen.max_context)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.param, exc.code)
+        return _error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -113,35 +200,30 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(exc.status_code, str(exc.detail))
+        return _error_response(exc.status_code, str(exc.detail), headers=exc.headers)  # e.g. a 405's Allow
 
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception) -> JSONResponse:
         return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    def authorized(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
-
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "running": scheduler.running, "waiting": scheduler.queued}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "specdecode", "max_model_len": gen.max_context}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
         return await _generate("text_completion", body, body.prompt, body.max_tokens, request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [m.as_template_message() for m in body.messages]
         return await _generate("chat.completion", body, messages, body.max_completion_tokens or body.max_tokens,
@@ -151,10 +233,18 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
-        try:  # tokenizing a long prompt off the event loop keeps other streams flowing
-            seq = await asyncio.to_thread(
-                gen.prepare, prompt, max_new_tokens=max_tokens or gen.max_context, temperature=body.temperature,
-                top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop, coupling=body.coupling)
+
+        def prepare():  # on a worker thread: tokenizing a long prompt must not hold up the event loop
+            try:
+                return gen.prepare(prompt, max_new_tokens=max_tokens or gen.max_context, temperature=body.temperature,
+                                   top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
+                                   coupling=body.coupling)
+            finally:
+                if _characters(prompt) > LARGE_PROMPT_CHARACTERS:
+                    _release_freed_memory()
+
+        try:
+            seq = await asyncio.to_thread(prepare)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc)) from exc
         if max_tokens is not None and seq.max_new < max_tokens:
@@ -173,8 +263,10 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         try:
             req = scheduler.submit(seq, emit)
         except QueueFullError as exc:
-            raise APIError(429, str(exc), code="queue_full") from exc
+            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from exc
+
         def cancel() -> None:  # the client went away: free the slot, count the work done so far
+            request.state.cancelled = True  # counted as 499, also where a stream's 200 went out
             scheduler.cancel(req)
             seq.stats.new_tokens = len(seq.out)
             metrics.record_generation(seq.stats)
@@ -186,6 +278,56 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         return JSONResponse(await reply.collect(events, request, cancel))
 
     return app
+
+
+GENERATION_ERRORS: dict[int | str, dict] = {
+    status: {"model": ErrorResponse, "description": description} for status, description in (
+        (400, "Invalid request"), (404, "Unknown model"), (413, "Request body too large"),
+        (429, "Every slot busy and the queue full; retry after Retry-After seconds"), (500, "Generation failed"))}
+UNAUTHORIZED = {"description": "Missing or wrong API key",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+
+def _openapi(app: FastAPI, open_paths: frozenset[str] | None, vocab: int, max_context: int) -> dict:
+    """FastAPI's document with what the server does: invalid bodies get 400 (OpenAI's), never 422; streams are
+    text/event-stream; with a key (`open_paths` not None), every other path needs it; token ids and max_tokens are
+    bounded by this model's vocabulary and context."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        models = schema["components"]["schemas"]
+        models["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]["maximum"] = vocab - 1
+        for model, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                             ("ChatCompletionRequest", "max_completion_tokens")):
+            models[model]["properties"][field]["anyOf"][0]["maximum"] = max_context - 1
+        for path, operations in schema["paths"].items():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+                if open_paths is not None and path not in open_paths:
+                    operation["security"] = [{"bearer": []}]
+                    operation["responses"]["401"] = UNAUTHORIZED
+                if path in GENERATION_ENDPOINTS:
+                    operation["responses"]["200"]["content"]["text/event-stream"] = {
+                        "schema": {"description": "server-sent events (with \"stream\": true): chunks as JSON, then [DONE]"}}
+        for name in ("HTTPValidationError", "ValidationError"):
+            models.pop(name, None)
+        if open_paths is not None:
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _characters(prompt: str | list) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m["content"]) for m in prompt if isinstance(m, dict))
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc keeps a worker thread's freed arena otherwise)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class _Reply:
