@@ -20,7 +20,7 @@ KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # a chat template that adds a token per message, so that an empty message is still a prompt (as real templates)
 ROLE_CHAT = "{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
-EXAMPLES = 100  # per operation and phase; docs/serving.md runs the same command with more
+EXAMPLES = 100  # per operation and phase (docs/bench/2026-12-05-xeon-server-hardening: a run of 3,849 requests)
 
 
 def schemathesis_command(url: str, examples: int, seed: int) -> list[str]:

@@ -255,6 +255,9 @@ def test_serve_takes_the_key_from_a_file_or_the_environment_never_an_argument(tm
     assert cli._api_key(None) == "from-env"
     assert cli.main(["serve", "--target", "/nonexistent", "--api-key-file", str(tmp_path / "missing")]) != 0
     assert "cannot read the API key file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--api-key", "sk-secret"])  # not an abbreviation of --api-key-file
+    assert "SPECDECODE_API_KEY" in capsys.readouterr().err
 
 
 # --- smaller protocol points ------------------------------------------------------------------------------------------

@@ -175,6 +175,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class _RefuseKeyArgument(argparse.Action):
+    """`--api-key KEY` (vLLM's flag) gets a pointer to the safe ways instead of being taken for --api-key-file."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error("the key is not taken as an argument (`ps` shows arguments to every user): set "
+                     "$SPECDECODE_API_KEY or pass --api-key-file FILE")
+
+
 def _api_key(path: Path | None) -> str | None:
     """The server's key: the first line of `path`, else $SPECDECODE_API_KEY, else None (no key). Never an argument:
     other users of the machine would read it in `ps`."""
@@ -354,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                     help="require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being this file's "
                          "first line (or set $SPECDECODE_API_KEY)")
+    sv.add_argument("--api-key", action=_RefuseKeyArgument, help=argparse.SUPPRESS)
     sv.add_argument("--open-metrics", action="store_true",
                     help="with a key: leave /metrics open too, for a scraper on a trusted network")
     sv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
