@@ -86,7 +86,7 @@ def test_accepted_logits_equal_plain_decoding_for_every_gamma(pair, prompts, dra
 @pytest.mark.parametrize("max_batch", [1, 2, 5, 8])
 def test_batched_accepted_logits_equal_plain_decoding(pair, prompts, max_batch, monkeypatch):
     expected = plain_logits(pair, prompts, monkeypatch)
-    log = record_decided_logits(monkeypatch, specdecode.engine)  # the scheduler verifies through Sequence.accept
+    log = record_decided_logits(monkeypatch, specdecode.engine)  # the scheduler verifies through SequenceState.accept
     for drafter in ("model", "ngram"):
         scheduler = build_scheduler(pair[0], draft=pair[1], drafter=drafter, max_batch=max_batch)
         log.clear()

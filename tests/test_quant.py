@@ -139,8 +139,8 @@ def test_cli_rejects_bad_drafting_before_loading_anything(tmp_path, capsys):
     assert "gamma must be in [1, 8]" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module", params=[("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"), ("bfloat16", "w4a8"),
-                                        ("float32", "w8a8"), ("bfloat16", "w6a8"),
+@pytest.fixture(scope="module", params=[("float32", "int8"), ("bfloat16", "int8"), ("float32", "int4"),
+                                        ("bfloat16", "w4a8"), ("float32", "w8a8"), ("bfloat16", "w6a8"),
                                         ("bfloat16", "int4"), pytest.param(("bfloat16", "int4-amx"), marks=needs_amx),
                                         pytest.param(("float32", "int4-amx"), marks=needs_amx),
                                         pytest.param(("bfloat16", "int8-amx"), marks=needs_amx),
@@ -271,7 +271,8 @@ def test_auto_dtype_is_measured_once_and_only_for_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "STREAM_BYTES", 2**20)
     ms = {torch.float32: 2.0, torch.bfloat16: 1.0}
     calls = []
-    monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: calls.append(rows) or ms[layers[0].dtype])
+    monkeypatch.setattr(autotune, "time_rows",
+                        lambda layers, rows, repeats=5: calls.append(rows) or ms[layers[0].dtype])
     assert resolve_dtype("auto", 9) == "bfloat16" and calls == [9, 9]
     assert resolve_dtype("auto", 9) == "bfloat16" and calls == [9, 9]  # cached
     ms[torch.bfloat16] = 1.95  # not faster by the margin: float32 stays

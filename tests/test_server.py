@@ -90,7 +90,8 @@ def test_sixteen_concurrent_streaming_clients_match_their_single_outputs(server)
     def one(prompt: str) -> tuple[str, int]:
         chunks = list(server.client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
                                                        stream=True))
-        return "".join(c.choices[0].text for c in chunks), chunks[-1].model_extra["speculative"]["target_forward_passes"]
+        passes = chunks[-1].model_extra["speculative"]["target_forward_passes"]
+        return "".join(c.choices[0].text for c in chunks), passes
 
     with ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(one, prompts))

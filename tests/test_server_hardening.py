@@ -217,7 +217,7 @@ def test_lone_surrogates_in_chat_and_in_the_library(server):
         server.reference.prepare("abc\ud800")
 
 
-# --- auth --------------------------------------------------------------------------------------------------------------
+# --- auth ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models", "/nowhere"])
 def test_every_endpoint_but_health_needs_the_key(server, path):
@@ -341,7 +341,8 @@ with build_lock(Path(sys.argv[1]), "test"):
 
 def test_a_dead_builders_lock_is_taken_over_at_once(tmp_path):
     (tmp_path / "lock").write_text("")  # torch's lock file, as a build killed a moment ago leaves it
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path), "60"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path), "60"], stdout=subprocess.PIPE,
+                              text=True)
     assert holder.stdout.readline() == "held\n"
     holder.kill()  # killed mid-build: its flock goes with it
     holder.wait()

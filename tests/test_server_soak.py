@@ -42,7 +42,8 @@ def _rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-async def _stream_text(client: httpx.AsyncClient, url: str, body: dict, cancel_after: int | None = None) -> tuple[int, str]:
+async def _stream_text(client: httpx.AsyncClient, url: str, body: dict,
+                       cancel_after: int | None = None) -> tuple[int, str]:
     async with client.stream("POST", url + "/v1/completions", json=body | {"stream": True}) as r:
         if r.status_code != 200:
             await r.aread()

@@ -16,7 +16,8 @@ def _add_model_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     from specdecode.builder import DEFAULT_GAMMA, DRAFTERS, MAX_GAMMA
     from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"catalog name, HF folder or GGUF file (default {DEFAULT_TARGET})")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"catalog name, HF folder or GGUF file (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
     p.add_argument("--gamma", type=int, default=None, help=(
@@ -48,11 +49,11 @@ def _padding(model) -> str:
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="none", metavar="Q",
                    help="weight-only quantization of the target's linears: none (default), int8 (per output channel), "
-                        "int4 (groups of 32; int4-g64 / int4-g128; torch's kernel), int4-amx (the same numbers in our AMX "
-                        "kernel: k <= 16 rows cost about one; AMX CPUs only; the lm_head then int8-amx), int8-amx "
-                        "(per-channel int8 on the same tiles), w4a8 (our C++ int4 x int8 kernel, row-invariant on AVX2 and "
-                        "AVX-512; the lm_head then w6a8), w6a8 / w8a8 (6-bit / int8 weights x int8, same kernel), or auto (the "
-                        "fastest kernel on this CPU). "
+                        "int4 (groups of 32; int4-g64 / int4-g128; torch's kernel), int4-amx (the same numbers in "
+                        "our AMX kernel: k <= 16 rows cost about one; AMX CPUs only; the lm_head then int8-amx), "
+                        "int8-amx (per-channel int8 on the same tiles), w4a8 (our C++ int4 x int8 kernel, "
+                        "row-invariant on AVX2 and AVX-512; the lm_head then w6a8), w6a8 / w8a8 (6-bit / int8 weights "
+                        "x int8, same kernel), or auto (the fastest kernel on this CPU). "
                         "Quantizing the target changes its outputs")
     p.add_argument("--draft-quant", default="auto", metavar="Q",
                    help="the draft's quantization, same choices; default auto: the draft's precision never changes "
@@ -78,7 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
     check_drafting(args.drafter, args.gamma)
     target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact, quant=args.quant)
     gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, dtype=args.dtype,
-                          device=args.device, quant=args.quant, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab)
+                          device=args.device, quant=args.quant, draft_quant=args.draft_quant,
+                          draft_vocab=args.draft_vocab)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat, coupling=args.coupling)
     stream = gen.stream(args.prompt, **request)
@@ -160,8 +162,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.report:
         summary = report(args.out)
     else:
-        summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype, quant=args.quant,
-                            gamma=args.gamma, draft_vocab=args.draft_vocab, questions_path=args.questions,
+        summary = benchmark(target=args.target, draft=args.draft, methods=args.methods, dtype=args.dtype,
+                            quant=args.quant, gamma=args.gamma, draft_vocab=args.draft_vocab,
+                            questions_path=args.questions,
                             categories=args.categories,
                             per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, repeats=args.repeats, out=args.out,
@@ -320,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="Spec-Bench: our methods and peers interleaved per prompt; tables and plots",
                        description="Speedups are tokens/s ratios on the same prompts, measured in this run on this "
                                    "machine. A method is KIND[:DTYPE][:QUANT], e.g. model:bfloat16:int4; `plain` in "
-                                   "--dtype always runs first as the reference. Peers need `pip install specdecode[peers]` and are skipped if "
-                                   "missing.")
+                                   "--dtype always runs first as the reference. Peers need `pip install "
+                                   "specdecode[peers]` and are skipped if missing.")
     b.add_argument("--target", default=DEFAULT_TARGET)
     b.add_argument("--draft", default=DEFAULT_DRAFT)
     b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "adaptive"], metavar="METHOD",
@@ -401,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     qq.add_argument("--target", default=DEFAULT_TARGET)
     qq.add_argument("--quants", nargs="+", default=["int8", "int4"])
     qq.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    qq.add_argument("--prompts", type=int, default=20, help="the first N Spec-Bench questions (round robin by category)")
+    qq.add_argument("--prompts", type=int, default=20,
+                    help="the first N Spec-Bench questions (round robin by category)")
     qq.add_argument("--max-new-tokens", type=int, default=64)
     qq.set_defaults(func=_quant_quality)
 
@@ -414,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     rb.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
     rb.add_argument("--quants", nargs="+", default=["none"], metavar="QUANT",
-                    help="our engine with each weight quantization: none int8 int4 int4-g64 int4-g128 int4-amx w4a8 w6a8 w8a8")
+                    help="our engine with each weight quantization: "
+                         "none int8 int4 int4-g64 int4-g128 int4-amx w4a8 w6a8 w8a8")
     rb.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF (llama-cpp-python)")
     rb.add_argument("--draft", default=None, metavar="MODEL",
                     help="also MODEL loaded as a draft (its own lm_head) and its one-token step as a fraction of the "

@@ -173,7 +173,7 @@ class Stream:
                 yield e
 
 
-class Sequence:
+class SequenceState:
     """One request's decoding state, shared by the single-request loop below and the server's batching
     scheduler: the context, what was generated, the text emitted so far, the draft length and the stats.
 
@@ -334,8 +334,8 @@ class SpeculativeGenerator:
     def prepare(self, prompt: str | Sequence[int] | list[dict], *, max_new_tokens: int = 128,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                 stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None, chat: bool = False,
-                coupling: str = "rejection") -> Sequence:
-        """Validate a request and build its Sequence (InvalidRequestError on bad input; nothing runs yet)."""
+                coupling: str = "rejection") -> SequenceState:
+        """Validate a request and build its SequenceState (InvalidRequestError on bad input; nothing runs yet)."""
         params = SamplingParams(temperature, top_k, top_p, seed, coupling)
         if params.gumbel and seed is None:  # the noise is a function of the seed: fix one for this request
             params = replace(params, seed=int(torch.randint(0, 2**62, ())))
@@ -348,13 +348,13 @@ class SpeculativeGenerator:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
         max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
         eos = self.eos_ids if eos_ids is None else frozenset(eos_ids)
-        return Sequence(ids, max_new_tokens, params, tuple(stop), eos, self.gamma, self.tokenizer)
+        return SequenceState(ids, max_new_tokens, params, tuple(stop), eos, self.gamma, self.tokenizer)
 
     def stream(self, prompt: str | Sequence[int], **request) -> Stream:
         """Validate the request now (errors raise here), decode lazily as the stream is iterated."""
         return Stream(self._decode(self.prepare(prompt, **request)))
 
-    def _decode(self, seq: Sequence) -> Iterator[TokenEvent | GenerationResult]:
+    def _decode(self, seq: SequenceState) -> Iterator[TokenEvent | GenerationResult]:
         self.drafter.reset()
         if self.cache is None:
             self.cache = self.target.new_cache(1, self.max_context + self.gamma.maximum + 1)

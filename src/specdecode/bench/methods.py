@@ -68,7 +68,8 @@ class MethodSpec:
                     parse_quant(option)
                 except InvalidRequestError:
                     raise InvalidRequestError(f"{option!r} in method {text!r} is neither a dtype "
-                                              f"({', '.join(DTYPES)}) nor a quantization (none, int8, int4[-gG], int4-amx[-gG], int8-amx, w4a8, w6a8, w8a8)") from None
+                                              f"({', '.join(DTYPES)}) nor a quantization (none, int8, int4[-gG], "
+                                              "int4-amx[-gG], int8-amx, w4a8, w6a8, w8a8)") from None
                 quant = option
         if quant != "none" and kind not in OURS:
             raise InvalidRequestError(f"{text!r}: peers run their own weights; quantization applies to our methods")
@@ -98,8 +99,8 @@ class EngineMethod:
 
 
 def parse_methods(names: list[str], default_dtype: str, default_quant: str = "none") -> list[MethodSpec]:
-    """`plain` (our plain decoding in the default dtype and quant) first: the reference; then the other plain methods (each
-    method's output is checked against its own plain one, which must have run, and is added if missing), then
+    """`plain` (our plain decoding in the default dtype and quant) first: the reference; then the other plain methods
+    (each method's output is checked against its own plain one, which must have run, and is added if missing), then
     the rest as given."""
     specs = [MethodSpec.parse(n, default_dtype, default_quant) for n in names]
     for s in list(specs):  # every method of ours is checked against our plain decoding of the same weights

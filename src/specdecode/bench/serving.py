@@ -77,8 +77,9 @@ def load(url: str, model: str, clients: int, requests_per_client: int, max_token
     return asyncio.run(_load(url.rstrip("/"), model, prompts, max_tokens, api_key))
 
 
-def serving_bench(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT, drafters: tuple[str, ...] = ("none", "model"),
-                  clients: tuple[int, ...] = (1, 4, 8), max_batch: int = 8, requests_per_client: int = 2,
+def serving_bench(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT,
+                  drafters: tuple[str, ...] = ("none", "model"), clients: tuple[int, ...] = (1, 4, 8),
+                  max_batch: int = 8, requests_per_client: int = 2,
                   max_tokens: int = 64, dtype: str = "bfloat16", max_context: int = 2048,
                   out: Path | None = None, progress=print) -> list[dict]:
     """Every (drafter, clients) pair served batched (`max_batch`) and one sequence per step (max batch 1),
@@ -125,7 +126,10 @@ def serving_table(rows: list[dict]) -> str:
     for r in rows:
         plain = find("none", r["max_batch"], r["clients"])
         single = find(r["drafter"], 1, r["clients"])
-        ratio = (lambda b: f"{r['tokens_per_second'] / b['tokens_per_second']:.2f}x" if b else "–")
+
+        def ratio(b: dict | None) -> str:
+            return f"{r['tokens_per_second'] / b['tokens_per_second']:.2f}x" if b else "–"
+
         lines.append(f"| {r['drafter']} | {r['max_batch']} | {r['clients']} | {r['requests']} | "
                      f"{r['tokens_per_second']:.2f} | {r['latency_p50']:.1f} | {r['latency_p95']:.1f} | "
                      f"{r['ttft_p50']:.2f} | {r['mean_batch']} | {r['mean_accepted_length']} | {ratio(plain)} | "

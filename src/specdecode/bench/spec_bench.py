@@ -71,7 +71,8 @@ def run(questions: list[Question], methods: list[Method], encode: Callable[[str]
 
     Outputs are checked against plain decoding where they must equal it: every method when greedy, our
     methods when sampling with Gumbel coupling (the peers' samples are not coupled)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     assert methods and methods[0].name == REFERENCE, "our plain decoding runs first: it is the reference"
     prompts = {q.question_id: encode(q.prompt) for q in questions}
@@ -156,7 +157,8 @@ def summarize(rows: list[dict]) -> dict:
             "tokens_per_second": _speed(rs),
             "speedup_vs_plain": _speed(rs) / _speed(everything[REFERENCE]),
             "speedup_vs_hf_plain": _speed(rs) / _speed(everything["hf-plain"]) if "hf-plain" in by else None,
-            "mean_accepted_tokens": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forward_passes"] for r in rs)),
+            "mean_accepted_tokens": (sum(r["new_tokens"] for r in rs)
+                                     / max(1, sum(r["target_forward_passes"] for r in rs))),
             "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
             "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
             "draft_time_share": draft_seconds / max(1e-9, sum(r["seconds"] for r in rs)),
@@ -202,7 +204,8 @@ def markdown_table(summary: dict) -> str:
         base = "–" if s["baseline"] == m else f"{len(s['mismatches'])} of {s['prompts']}"
         split = s.get("ms_per_prompt_token_and_new_token")
         split = f"{split[0]:.1f} / {split[1]:.1f}" if split else "–"
-        cells = [f"{m}{mark}", *(f"{s['categories'][c]['speedup']:.2f}x" if c in s["categories"] else "–" for c in cats),
+        cells = [f"{m}{mark}",
+                 *(f"{s['categories'][c]['speedup']:.2f}x" if c in s["categories"] else "–" for c in cats),
                  f"{s['mean_accepted_tokens']:.2f}", f"{s['tokens_per_second']:.2f}",
                  f"{s['speedup_vs_plain']:.2f}x", hf, split, base]
         lines.append("| " + " | ".join(cells) + " |")
@@ -277,7 +280,8 @@ def report(out: Path) -> dict:
     done = len({(r["question_id"], r.get("repeat", 0)) for r in rows})
     summary.update(meta, prompts_finished=done)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    cut = "" if done == cfg["prompts"] * cfg["repeats"] else f" (cut short: {done} of {cfg['prompts'] * cfg['repeats']})"
+    planned = cfg["prompts"] * cfg["repeats"]
+    cut = "" if done == planned else f" (cut short: {done} of {planned})"
     title = f"{done} prompts{cut}, {cfg['max_new_tokens']} new tokens, {cfg['dtype']}"
     (out / "table.md").write_text(f"{machine['cpu']}, {machine['date'][:10]}; {title}\n\n{markdown_table(summary)}\n")
     write_plots(rows, summary, out, f"{title}, {machine['cpu']}")

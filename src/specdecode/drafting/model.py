@@ -8,7 +8,7 @@ from specdecode.drafting.base import Draft, Drafter, DraftRequest
 from specdecode.errors import ModelLoadError
 from specdecode.models.decoder import Transformer
 from specdecode.verification.gumbel import gumbel_noise, noisy_scores
-from specdecode.verification.sampling import SamplingParams, processed_probs, sample
+from specdecode.verification.sampling import processed_probs, sample
 
 
 MAX_SHARED_FEED = 16  # longer feeds (a new prompt) are prefilled row by row, not padded into the shared forward
@@ -73,7 +73,8 @@ class ModelDrafter(Drafter):
                 for r in requests]
 
     def _choose(self, logits: torch.Tensor, r: DraftRequest, position: int) -> tuple[int, torch.Tensor | None, float]:
-        """The draft token at `position`, the q it was sampled from (None if verification needs none), its probability."""
+        """The draft token at `position`, the q it was sampled from (None if verification needs none), and its
+        probability."""
         if r.params.greedy:
             tok = int(logits.argmax())
             return tok, None, float(torch.softmax(logits, -1)[tok]) if self.min_confidence else 1.0

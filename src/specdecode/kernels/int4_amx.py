@@ -1,10 +1,10 @@
 """int4 weights x bf16 activations on AMX tiles: a verify step of k <= 16 rows at about the cost of one row.
 
 The same int4 numbers as `--quant int4` (asymmetric groups, bf16 scale and zero), in our own layout and
-kernel (`int4_amx.cpp`): torch's int4 kernel grows with k (0.62 ms for 1 row of the 1.5B's 8960x1536
-projection, 2.07 ms for 9 on our Xeon, `specdecode doctor`); this one dequantizes each weight once to bf16 and lets one AMX tile
-multiply serve up to 16 rows. `reference_mm` does the same float operations in the same order with torch,
-except inside one 32-input tile multiply, where the order and rounding of the additions are the hardware's
+kernel (`int4_amx.cpp`): torch's int4 kernel grows with k (`specdecode doctor` times both); this one
+dequantizes each weight once to bf16 and lets one AMX tile multiply serve up to 16 rows. `reference_mm` does
+the same float operations in the same order with torch, except inside one 32-input tile multiply, where the
+order and rounding of the additions are the hardware's
 (the tests allow a few ulps of the products' magnitude there, and compare rows across k with `torch.equal`).
 Only CPUs with AMX-BF16 (Sapphire Rapids and later) run it.
 """
@@ -41,7 +41,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torc
     scale, zero = (torch.nn.functional.pad(t.float(), (0, 0, 0, pad)) for t in (scale, zero))
     Np, G = q.shape[0], scale.shape[1]
     # [tile, n, chunk, L, i, parity] -> [tile, chunk, L, word = 2n + parity, nibble i]
-    u = q.view(Np // TILE, TILE, K // CHUNK, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).reshape(Np // TILE, K // CHUNK, 4, 32, 4)
+    u = (q.view(Np // TILE, TILE, K // CHUNK, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+         .reshape(Np // TILE, K // CHUNK, 4, 32, 4))
     words = u[..., 0] | (u[..., 1] << 4) | (u[..., 2] << 8) | (u[..., 3] << 12)
     packed = torch.stack([words & 0xFF, words >> 8], -1).to(torch.uint8).reshape(Np // TILE, K // CHUNK, 256)
     sz = torch.stack([scale.view(Np // TILE, TILE, G), zero.view(Np // TILE, TILE, G)], 1)  # [tile, 2, n, G]

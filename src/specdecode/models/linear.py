@@ -17,7 +17,8 @@ from specdecode.kernels import int4_amx, w4a8
 
 QUANTS = ("none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w6a8", "w8a8")
 GROUPED = ("int4", "int4-amx")  # the kinds that take a group size: "int4-g64"
-OUR_KERNELS = {"w4a8": w4a8, "w6a8": w4a8, "w8a8": w4a8, "int4-amx": int4_amx, "int8-amx": int4_amx}  # kinds whose kernel is our C++ build
+# kinds whose kernel is our C++ build
+OUR_KERNELS = {"w4a8": w4a8, "w6a8": w4a8, "w8a8": w4a8, "int4-amx": int4_amx, "int8-amx": int4_amx}
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
 

@@ -307,7 +307,8 @@ def _openapi(app: FastAPI, open_paths: frozenset[str] | None, vocab: int, max_co
                     operation["responses"]["401"] = UNAUTHORIZED
                 if path in GENERATION_ENDPOINTS:
                     operation["responses"]["200"]["content"]["text/event-stream"] = {
-                        "schema": {"description": "server-sent events (with \"stream\": true): chunks as JSON, then [DONE]"}}
+                        "schema": {"description": "server-sent events (with \"stream\": true): JSON chunks, then "
+                                                  "[DONE]"}}
         for name in ("HTTPValidationError", "ValidationError"):
             models.pop(name, None)
         if open_paths is not None:

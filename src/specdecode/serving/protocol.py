@@ -75,7 +75,8 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[str | list[int] | list[str], WithJsonSchema({"title": "Prompt", "anyOf": [  # what is accepted
-        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]})]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
 

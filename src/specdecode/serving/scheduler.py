@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from specdecode.drafting.base import Draft, DraftRequest
-from specdecode.engine import GenerationResult, Sequence, SpeculativeGenerator, TokenEvent
+from specdecode.engine import GenerationResult, SequenceState, SpeculativeGenerator, TokenEvent
 from specdecode.errors import SpecDecodeError
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class QueueFullError(SpecDecodeError):
 
 @dataclass(eq=False)
 class Request:
-    seq: Sequence
+    seq: SequenceState
     emit: Callable[[Event], None]  # called from the scheduler's thread; must be quick
     id: int = field(default_factory=itertools.count().__next__)
     slot: int | None = None
@@ -71,7 +71,7 @@ class Scheduler:
         self._stopping = False
 
     # --- thread-safe API -------------------------------------------------------------------------
-    def submit(self, seq: Sequence, emit: Callable[[Event], None]) -> Request:
+    def submit(self, seq: SequenceState, emit: Callable[[Event], None]) -> Request:
         with self._cond:
             if len(self.waiting) >= self.max_queue + len(self.free):  # free slots take waiting ones next step
                 raise QueueFullError(f"the server is busy ({self.max_batch} running, {len(self.waiting)} "
