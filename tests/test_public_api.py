@@ -29,3 +29,16 @@ def test_the_public_names_are_the_library_objects():
 def test_importing_the_package_does_not_import_torch():
     code = "import sys, specdecode, specdecode.errors, specdecode.serving.limits; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_a_command_whose_extra_is_missing_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from specdecode import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    assert cli.main(["serve", "--target", "/nonexistent"]) != 0
+    assert "pip install 'specdecode[serve]'" in capsys.readouterr().err
+    assert cli.main(["bench", "--report", "--out", "/nonexistent"]) != 0
+    assert "pip install 'specdecode[bench]'" in capsys.readouterr().err

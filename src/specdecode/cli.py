@@ -154,6 +154,7 @@ def _runtime_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    _require("bench")
     from specdecode.bench.methods import OURS
     from specdecode.bench.spec_bench import benchmark, markdown_table, report
     from specdecode.builder import check_drafting
@@ -186,6 +187,21 @@ class _RefuseKeyArgument(argparse.Action):
                      "$SPECDECODE_API_KEY or pass --api-key-file FILE")
 
 
+EXTRAS = {"serve": ("fastapi", "uvicorn", "pydantic", "prometheus_client"),
+          "bench": ("fastapi", "uvicorn", "pydantic", "prometheus_client", "matplotlib", "httpx")}
+
+
+def _require(extra: str) -> None:
+    """Fail at once, with the install command, where the packages of an optional extra are missing (not after a
+    model load or a whole benchmark)."""
+    from importlib.util import find_spec
+
+    missing = [m for m in EXTRAS[extra] if find_spec(m) is None]
+    if missing:
+        raise InvalidRequestError(f"this command needs the [{extra}] extra (missing: {', '.join(missing)}): "
+                                  f"pip install 'specdecode[{extra}]'")
+
+
 def _api_key(path: Path | None) -> str | None:
     """The server's key: the first line of `path`, else $SPECDECODE_API_KEY, else None (no key). Never an argument:
     other users of the machine would read it in `ps`."""
@@ -201,6 +217,7 @@ def _api_key(path: Path | None) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _require("serve")
     import uvicorn
 
     from specdecode.builder import build_scheduler
@@ -224,6 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    _require("bench")
     from specdecode.bench.serving import load, serving_bench, serving_table
 
     if args.url:
