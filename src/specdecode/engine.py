@@ -183,7 +183,7 @@ class SequenceState:
 
     def __init__(self, ids: list[int], max_new: int, params: SamplingParams, stop: tuple[str, ...],
                  eos: frozenset[int], gamma: GammaSchedule, tokenizer=None) -> None:
-        self.ids, self.max_new, self.params, self.stop, self.eos = ids, max_new, params, stop, eos
+        self.ids, self.max_new, self.params, self.eos = ids, max_new, params, eos
         self.schedule, self.gamma = gamma, gamma.initial
         self.generator = params.generator()
         self.stats = GenerationStats(prompt_tokens=len(ids))

@@ -136,11 +136,9 @@ class _LimitBody:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = _error_response(413, f"the request body is larger than {self.limit} bytes "
-                                         "(the server's --max-request-bytes)", code="request_too_large")
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.limit:
-            return await too_large(scope, receive, send)
+            return await self._too_large(scope, receive, send)
         body, more = bytearray(), True
         while more:
             message = await receive()
@@ -149,7 +147,7 @@ class _LimitBody:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit:
-                return await too_large(scope, receive, send)
+                return await self._too_large(scope, receive, send)
         first: dict | None = {"type": "http.request", "body": bytes(body), "more_body": False}
 
         async def replay() -> dict:
@@ -160,6 +158,11 @@ class _LimitBody:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        response = _error_response(413, f"the request body is larger than {self.limit} bytes (the server's "
+                                        "--max-request-bytes)", code="request_too_large")
+        await response(scope, receive, send)
 
 
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, *, open_metrics: bool = False,

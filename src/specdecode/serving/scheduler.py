@@ -174,9 +174,12 @@ class Scheduler:
         results. A sequence gives the same bits alone or batched (`Transformer.enable_batching`)."""
         try:
             return batch, run(batch)
-        except Exception:
-            if len(batch) > 1:
-                log.warning("%s failed for a batch of %d; running each sequence alone", what, len(batch))
+        except Exception as exc:
+            if len(batch) == 1:  # already alone: running it again would repeat the failing work
+                log.exception("%s failed for one sequence", what)
+                self._finish(batch[0], [exc])
+                return [], []
+            log.warning("%s failed for a batch of %d; running each sequence alone", what, len(batch))
         kept: list[Request] = []
         results: list[T] = []
         for req in batch:
