@@ -155,7 +155,8 @@ WORDS = ["hello world", "The cat sat on the mat", "abc def ghi", "Speculative de
 def server(tiny_pair):
     import openai
 
-    from specdecode.builder import build_generator, build_scheduler
+    from specdecode.builder import build_generator
+    from specdecode.serving.scheduler import build_scheduler
     from specdecode.serving.app import create_app, serve_in_thread
 
     target, draft = tiny_pair

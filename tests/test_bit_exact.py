@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdecode.engine
-from specdecode.builder import build_generator, build_scheduler, target_head_quant
-from specdecode.engine import GenerationResult
+import specdecode.sequence
+from specdecode.builder import build_generator, target_head_quant
+from specdecode.serving.scheduler import build_scheduler
+from specdecode.sequence import GenerationResult
 from specdecode.models.loading import load_model
 from tests.test_int4_amx import needs_amx
 from tests.test_lossless import random_prompts
@@ -57,7 +58,7 @@ def prompts() -> list[list[int]]:
 
 def plain_logits(pair, prompts, monkeypatch) -> list[dict[int, torch.Tensor]]:
     with monkeypatch.context() as patch:
-        log = record_decided_logits(patch, specdecode.engine)
+        log = record_decided_logits(patch, specdecode.sequence)
         plain = build_generator(pair[0], drafter="none")
         out = []
         for p in prompts:
@@ -71,7 +72,7 @@ def plain_logits(pair, prompts, monkeypatch) -> list[dict[int, torch.Tensor]]:
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_accepted_logits_equal_plain_decoding_for_every_gamma(pair, prompts, drafter, monkeypatch):
     expected = plain_logits(pair, prompts, monkeypatch)
-    log = record_decided_logits(monkeypatch, specdecode.engine)
+    log = record_decided_logits(monkeypatch, specdecode.sequence)
     accepted = 0
     for gamma in range(1, 9):
         gen = build_generator(pair[0], draft=pair[1], drafter=drafter, gamma=gamma)
@@ -86,7 +87,7 @@ def test_accepted_logits_equal_plain_decoding_for_every_gamma(pair, prompts, dra
 @pytest.mark.parametrize("max_batch", [1, 2, 5, 8])
 def test_batched_accepted_logits_equal_plain_decoding(pair, prompts, max_batch, monkeypatch):
     expected = plain_logits(pair, prompts, monkeypatch)
-    log = record_decided_logits(monkeypatch, specdecode.engine)  # the scheduler verifies through SequenceState.accept
+    log = record_decided_logits(monkeypatch, specdecode.sequence)  # the scheduler verifies through SequenceState.accept
     for drafter in ("model", "ngram"):
         scheduler = build_scheduler(pair[0], draft=pair[1], drafter=drafter, max_batch=max_batch)
         log.clear()

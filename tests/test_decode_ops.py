@@ -247,7 +247,8 @@ def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(cpu_build, tm
 
 @needs_ops
 def test_one_call_layers_only_where_every_linear_is_w4a8_without_a_bias_the_kernel_would_drop(tiny_pair):
-    from specdecode.models.linear import W4A8Linear, W8A8Linear, make_linear
+    from specdecode.kernels.w4a8 import W4A8Linear, W8A8Linear
+    from specdecode.models.linear import make_linear
 
     block = load_target(str(tiny_pair[0].source), dtype="bfloat16", quant="w4a8").model.blocks[0]
     parts = dict(cfg=block.cfg, qkv=block.qkv, o=block.o, gate_up=block.gate_up, down=block.down,

@@ -7,7 +7,9 @@ import torch
 
 from specdecode.errors import InvalidRequestError
 from specdecode.kernels import int4_amx
-from specdecode.models.linear import Int4AmxLinear, Int4Linear, int4_groups, invariant_rows, make_linear
+from specdecode.kernels.int4_amx import Int4AmxLinear
+from specdecode.kernels.torch_int import Int4Linear, int4_groups
+from specdecode.models.linear import invariant_rows, make_linear
 
 needs_amx = pytest.mark.skipif(int4_amx.extension() is None, reason="needs a CPU with AMX-BF16 and g++")
 SHAPES = [(32, 64, 32), (40, 128, 64), (50, 256, 128), (16, 96, 32), (24, 320, 32)]  # N not a multiple of 16 too

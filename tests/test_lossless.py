@@ -14,7 +14,8 @@ from specdecode.drafting.hybrid import HybridDrafter
 from specdecode.drafting.model import ModelDrafter
 from specdecode.drafting.ngram import NgramDrafter
 from specdecode.drafting.none import NoDrafter
-from specdecode.engine import CostModel, GammaSchedule, SpeculativeGenerator
+from specdecode.draft_lengths import CostModel, GammaSchedule, Timings
+from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.loading import load_model
 from specdecode.verification.gumbel import gumbel_noise, noisy_scores
@@ -47,7 +48,7 @@ def plain_outputs(tiny_pair):
 @pytest.mark.parametrize("gamma,adaptive", [(1, False), (2, False), (3, False), (5, False), (8, False), (3, True)])
 def test_greedy_speculative_equals_plain_greedy(tiny_pair, plain_outputs, drafter_kind, gamma, adaptive):
     target, draft = tiny_pair
-    drafter = make_drafter(drafter_kind, target, draft, gamma=min(gamma, 3), adaptive=adaptive)
+    drafter = make_drafter(drafter_kind, target, draft, gamma=min(gamma, 3), chooses_lengths=adaptive)
     gen = SpeculativeGenerator(target.model, drafter, target.tokenizer, GammaSchedule(gamma, adaptive))
     accepted = 0
     for prompt, expected in zip(random_prompts(N_PROMPTS, 64), plain_outputs):
@@ -58,7 +59,7 @@ def test_greedy_speculative_equals_plain_greedy(tiny_pair, plain_outputs, drafte
 
 
 def _costs(forward: dict[int, float], draft: float, accepted: float, rejected: float) -> CostModel:
-    return CostModel(forward=dict(forward), draft=draft, accepted=accepted, rejected=rejected,
+    return CostModel(Timings(forward=dict(forward), draft=draft), accepted=accepted, rejected=rejected,
                      drafted_tokens=CostModel.WARM_UP)
 
 
@@ -66,13 +67,13 @@ def test_the_cost_model_waits_for_two_widths_and_a_draft():
     costs = CostModel(drafted_tokens=CostModel.WARM_UP)  # past the warm-up (its own test)
     assert costs.best_gamma(8) is None
     costs.observe(5, 0.1, 4, 3, 2.0)  # a request's first draft also fills the draft model's cache: not its cost
-    assert costs.best_gamma(8) is None and costs.draft is None
+    assert costs.best_gamma(8) is None and costs.timings.draft is None
     costs.observe(5, 0.1, 4, 3, 0.04)
-    assert costs.best_gamma(8) is None and costs.draft == pytest.approx(0.01)  # one width: no slope yet
+    assert costs.best_gamma(8) is None and costs.timings.draft == pytest.approx(0.01)  # one width: no slope yet
     costs.observe(9, 0.2, 8, 8, 0.08)
     assert costs.best_gamma(8) is not None
-    assert costs.forward_seconds(1) == pytest.approx(0.025)  # extrapolated to 0, bounded below by a quarter
-    assert costs.forward_seconds(7) == pytest.approx(0.15)
+    assert costs.timings.forward_seconds(1) == pytest.approx(0.025)  # extrapolated to 0, bounded below by a quarter
+    assert costs.timings.forward_seconds(7) == pytest.approx(0.15)
 
 
 def test_the_cost_model_trusts_the_acceptance_after_a_warm_up():
@@ -98,7 +99,7 @@ def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes
     # an AVX2 CPU: a verify of 5 tokens costs 2.2 plain steps and a draft token half of one; 60% acceptance
     costs = _costs({1: 0.048, 5: 0.103, 9: 0.19}, draft=0.023, accepted=6, rejected=4)
     costs.observe(2, 0.062, 1, 1, 5.0)  # a probe after plain steps catches the draft model up: not its cost
-    assert costs.draft == 0.023
+    assert costs.timings.draft == 0.023
     costs.accepted, costs.rejected = 6, 4
     choices = [costs.best_gamma(8) for _ in range(CostModel.PROBE_AFTER + 4)]
     probe = [1, 1, 0]  # two drafting steps in a row: the second measures the draft's cost again
@@ -110,7 +111,7 @@ def test_the_cost_model_takes_plain_steps_where_drafting_does_not_pay_and_probes
     assert waits[:4] == [m * CostModel.PROBE_AFTER + 1 for m in (2, 4, 8, 16)]  # + the first probe step
     assert max(waits) == CostModel.MAX_PROBE_AFTER + 1
     # once drafting pays again, probes come at the first pace
-    costs.draft = 0.001
+    costs.timings.draft = 0.001
     assert costs.best_gamma(8) > 0 and costs.probe_after == CostModel.PROBE_AFTER
 
 
@@ -142,16 +143,18 @@ def test_draft_lengths_are_chosen_each_step_unless_a_gamma_is_given(tiny_pair, p
     assert model.gamma.adaptive and model.gamma.initial == 4 and model.drafter.min_confidence > 0
     for kind in ("model", "ngram", "hybrid"):
         fixed = build_generator(target, draft=draft, drafter=kind, gamma=3)
-        assert not fixed.gamma.adaptive and fixed.gamma.initial == (3 if kind != "hybrid" else 8)
-    assert not build_generator(target, draft=draft, drafter="hybrid").gamma.adaptive  # its fixed lengths
+        assert not fixed.gamma.adaptive and fixed.gamma.initial == 3
+    hybrid = build_generator(target, draft=draft, drafter="hybrid")
+    assert not hybrid.gamma.adaptive and hybrid.gamma.initial == 8  # its fixed lengths: 8 copied, 4 model tokens
 
 
 def test_greedy_output_is_plain_decodings_whatever_the_cost_model_chooses(tiny_pair, plain_outputs):
     target, draft = tiny_pair
-    gen = SpeculativeGenerator(target.model, make_drafter("model", target, draft, adaptive=True), target.tokenizer,
+    drafter = make_drafter("model", target, draft, chooses_lengths=True)
+    gen = SpeculativeGenerator(target.model, drafter, target.tokenizer,
                                GammaSchedule(3, adaptive=True))
     gen.costs = _costs({1: 1.0, 2: 3.0}, draft=1.0, accepted=1, rejected=1)  # drafting looks hopeless: mostly plain
-    gen.costs.decay = 1.0  # keep these numbers whatever is measured
+    gen.costs.timings.decay = 1.0  # keep these numbers whatever is measured
     steps = drafted_steps = 0
     for prompt, expected in zip(random_prompts(N_PROMPTS, 64)[:20], plain_outputs):
         result = gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[])
@@ -313,7 +316,7 @@ def test_a_seed_reproduces_a_sample_whatever_the_costs_measured_before(tiny_pair
     runs = []
     for forward, accepted in (({1: 1.0, 2: 1.0}, 30), ({1: 1.0, 2: 3.0}, 1)):  # costs that pick 8 drafts, then 0
         gen.costs = _costs(forward, draft=1e-5, accepted=accepted, rejected=1)
-        gen.costs.decay = 1.0
+        gen.costs.timings.decay = 1.0
         runs.append([gen.generate(p, max_new_tokens=24, temperature=1.0, seed=s, eos_ids=[],
                                   coupling=coupling).token_ids for s, p in enumerate(random_prompts(6, 64, seed=3))])
     assert runs[0] == runs[1]

@@ -12,8 +12,10 @@ import specdecode
 
 
 def test_the_public_names_are_the_library_objects():
-    from specdecode.builder import build_generator, build_scheduler
-    from specdecode.engine import GenerationResult, SpeculativeGenerator
+    from specdecode.builder import build_generator
+    from specdecode.serving.scheduler import build_scheduler
+    from specdecode.engine import SpeculativeGenerator
+    from specdecode.sequence import GenerationResult
     from specdecode.verification.sampling import SamplingParams
 
     assert specdecode.build_generator is build_generator and specdecode.build_scheduler is build_scheduler

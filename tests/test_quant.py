@@ -8,7 +8,8 @@ import torch
 from specdecode import cli
 from specdecode.builder import build_generator, load_target
 from specdecode.errors import InvalidRequestError
-from specdecode.models.linear import DenseLinear, Int4Linear, Int8Linear, make_linear, parse_quant
+from specdecode.kernels.torch_int import Int4Linear, Int8Linear
+from specdecode.models.linear import DenseLinear, make_linear, parse_quant
 from specdecode.models.loading import load_model
 from tests.conftest import emulated_avx512_build, save_tiny, tiny_hf_model, tiny_tokenizer, use_cpu_build
 from tests.test_int4_amx import needs_amx
@@ -245,12 +246,12 @@ def test_autotune_measures_once_caches_and_survives_bad_caches(tmp_path, monkeyp
     calls = []
     real = autotune.time_rows
     monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: calls.append(1) or real(layers, rows, 1))
-    n = sum(autotune.kernel_available(q) for q in autotune.QUANTS)  # our C++ kernels only where they build
+    n = sum(autotune.kernel_available(q) for q in autotune.kernels())  # our C++ kernels only where they build
     choice = autotune.fastest_quant(torch.bfloat16, 1)
-    assert choice in autotune.QUANTS and len(calls) == n
+    assert choice in autotune.kernels() and len(calls) == n
     assert autotune.fastest_quant(torch.bfloat16, 1) == choice and len(calls) == n  # cached
     (tmp_path / "autotune.json").write_text("[1, 2")  # corrupted
-    assert autotune.fastest_quant(torch.bfloat16, 1) in autotune.QUANTS and len(calls) == 2 * n
+    assert autotune.fastest_quant(torch.bfloat16, 1) in autotune.kernels() and len(calls) == 2 * n
 
     def broken(dtype, quant, shape=autotune.PROBE_SHAPE):
         if quant != "none":

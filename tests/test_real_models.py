@@ -79,7 +79,7 @@ def test_spec_bench_40_prompts_256_tokens_no_greedy_mismatch(tmp_path):
 def test_batched_serving_equals_single_requests_on_the_real_pair():
     """Eight Spec-Bench prompts through the batching scheduler (bf16; linears chunked as measured on this CPU)
     give the tokens each gives alone."""
-    from specdecode.builder import build_scheduler
+    from specdecode.serving.scheduler import build_scheduler
     from specdecode.engine import GenerationResult
 
     target = load_target("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from specdecode.builder import build_generator, build_scheduler
-from specdecode.engine import GenerationResult
+from specdecode.builder import build_generator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.loading import load_model
-from specdecode.serving.scheduler import QueueFullError
+from specdecode.sequence import GenerationResult
+from specdecode.serving.scheduler import QueueFullError, build_scheduler
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -66,6 +66,36 @@ def test_batched_gumbel_sampling_equals_plain_seeded_decoding(tiny_pair, drafter
     batched = _run_batched(scheduler, requests)
     assert [b.token_ids for b in batched] == [plain.generate(**r).token_ids for r in requests]
     assert sum(b.stats.accepted_tokens for b in batched) > 0
+
+
+def test_each_served_sequence_chooses_its_own_draft_lengths(tiny_pair):
+    """The server runs the decode step a lone request runs: lengths chosen per sequence, from its own acceptance and
+    the timings the server's steps share."""
+    target, draft = tiny_pair
+    scheduler = build_scheduler(target, draft=draft, drafter="model", max_batch=3)
+    assert scheduler.gen.gamma.adaptive
+    seqs = []
+    submit = scheduler.submit
+    scheduler.submit = lambda seq, emit: (seqs.append(seq), submit(seq, emit))[1]
+    _run_batched(scheduler, [dict(prompt=p, max_new_tokens=40) for p in _prompts(4, seed=6)])
+    costs = [seq.lengths.costs for seq in seqs]
+    assert all(seq.lengths.by_costs for seq in seqs)
+    assert len({id(c) for c in costs}) == 4 and len({id(c.timings) for c in costs}) == 1
+    assert all(c.drafted_tokens == seq.stats.drafted_tokens for c, seq in zip(costs, seqs))
+    assert costs[0].timings.forward and costs[0].timings.draft is not None  # measured by the shared steps
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_a_seeded_sample_served_alone_equals_generate(tiny_pair, drafter):
+    """Rejection-coupled seeded samples take the same draft lengths (the grow/shrink rule) in the server as in
+    `generate`, so the same seed gives the same tokens."""
+    target, draft = tiny_pair
+    single = build_generator(target, draft=draft, drafter=drafter)
+    scheduler = build_scheduler(target, draft=draft, drafter=drafter, max_batch=2)
+    for i, prompt in enumerate(_prompts(4, seed=8)):
+        request = dict(prompt=prompt, max_new_tokens=30, temperature=1.0, seed=i)
+        [served] = _run_batched(scheduler, [request])
+        assert served.token_ids == single.generate(**request).token_ids
 
 
 def test_batched_drafting_keeps_each_rows_cache_right(tiny_pair):

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from specdecode import cli
-from specdecode.builder import build_generator, build_scheduler
+from specdecode.builder import build_generator
+from specdecode.serving.scheduler import build_scheduler
 from specdecode.kernels import decode_ops
 from specdecode.serving.app import create_app, serve_in_thread
 
@@ -133,7 +134,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_sequence(server, monk
 
 def test_one_failing_sequence_does_not_fail_its_batch(server, monkeypatch):
     """A request whose verification raises gets a 500 body; the others in the same steps finish normally."""
-    import specdecode.engine as engine_module
+    import specdecode.sequence as engine_module
 
     real = engine_module.verify
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specdecode.builder import build_scheduler
+from specdecode.serving.scheduler import build_scheduler
 from specdecode.serving.app import create_app, serve_in_thread
 
 from .conftest import perturbed, save_tiny, tiny_hf_model, tiny_tokenizer

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specdecode import cli
-from specdecode.builder import build_generator, build_scheduler
+from specdecode.builder import build_generator
+from specdecode.serving.scheduler import build_scheduler
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.kernels.build import build_lock
 from specdecode.serving.app import create_app, serve_in_thread

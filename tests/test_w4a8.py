@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdecode.kernels import w4a8
-from specdecode.models.linear import W4A8Linear, W6A8Linear, W8A8Linear, invariant_rows
+from specdecode.kernels.w4a8 import W4A8Linear, W6A8Linear, W8A8Linear
+from specdecode.models.linear import invariant_rows
 from tests.conftest import emulated_avx512_build, use_cpu_build
 
 SHAPES = [(96, 64), (40, 96), (33, 100), (70, 1536), (24, 200)]  # widths that are not multiples of 32 or 64 too

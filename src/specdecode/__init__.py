@@ -16,9 +16,9 @@ try:
 except PackageNotFoundError:  # run from a source tree that was not installed
     __version__ = "0+unknown"
 
-_PUBLIC = {"build_generator": "specdecode.builder", "build_scheduler": "specdecode.builder",
+_PUBLIC = {"build_generator": "specdecode.builder", "build_scheduler": "specdecode.serving.scheduler",
            "SamplingParams": "specdecode.verification.sampling", "SpeculativeGenerator": "specdecode.engine",
-           "GenerationResult": "specdecode.engine"}
+           "GenerationResult": "specdecode.sequence"}
 __all__ = ["__version__", *_PUBLIC]
 
 

@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from specdecode.drafting.base import Drafter
-from specdecode.drafting.hybrid import HybridDrafter
-from specdecode.drafting.model import ModelDrafter, check_same_tokenizer
-from specdecode.drafting.ngram import NgramDrafter
-from specdecode.drafting.none import NoDrafter
-from specdecode.engine import DEFAULT_MAX_CONTEXT, GammaSchedule, SpeculativeGenerator
+from specdecode.draft_lengths import MAX_GAMMA, GammaSchedule
+from specdecode.drafting import drafter_spec
+from specdecode.drafting.base import Drafter, DraftingSetup
+from specdecode.engine import DEFAULT_MAX_CONTEXT, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.catalog import DEFAULT_DRAFT
-from specdecode.models.linear import parse_quant
+from specdecode.models.linear import kernel
 from specdecode.models.loading import LoadedModel, load_model, parse_dtype
-from specdecode.serving.scheduler import Scheduler
 
-DRAFTERS = ("model", "ngram", "hybrid", "none")
-WITH_DRAFT_MODEL = ("model", "hybrid")  # the drafters that load and run a draft model
-VERIFY_WIDTH = 9  # rows of every target decode forward in bit-exact mode: gamma <= 8
-DEFAULT_GAMMA = 4  # the draft model's fixed length (server, hybrid, bench `model`) and where chosen lengths start
-# drafters whose draft length the cost model may choose (hybrid mixes a free lookup and a paid draft in one length)
-ADAPTIVE_DRAFTERS = ("model", "ngram")
-MAX_GAMMA = VERIFY_WIDTH - 1
-DRAFT_MIN_CONFIDENCE = 0.3  # adaptive mode: the draft model stops after a token it gives less than this
+VERIFY_WIDTH = MAX_GAMMA + 1  # rows of every target decode forward in bit-exact mode
 
 
 def resolve_dtype(dtype: str, rows: int, device: str = "cpu") -> str:
@@ -63,10 +51,10 @@ def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_ex
 
 
 def target_head_quant(quant: str) -> str:
-    """A target's lm_head stays wider than its blocks (as llama.cpp's Q4_K_M keeps a 6-bit output layer): dense,
-    except beside our row-invariant int4 kernels, where a narrower head in the same kernel reads fewer bytes than
-    bf16 and needs no padding rows: int8-amx beside int4-amx, 6-bit w6a8 beside w4a8."""
-    return {"int4-amx": "int8-amx", "w4a8": "w6a8"}.get(parse_quant(quant)[0], "none")
+    """A target's lm_head stays wider than its blocks (as llama.cpp's Q4_K_M keeps a 6-bit output layer): what the
+    blocks' kernel declares (`Linear.head`): dense, except beside our row-invariant int4 kernels, where a narrower
+    head in the same kernel reads fewer bytes than bf16 and needs no padding rows."""
+    return kernel(quant).head
 
 
 def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "auto",
@@ -79,77 +67,47 @@ def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: s
     return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=quant)
 
 
-def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int = DEFAULT_GAMMA,
-                 adaptive: bool = False, max_context: int | None = None, batch: int = 1) -> Drafter:
-    """batch: how many sequences it drafts for at once (the server's --max-batch)."""
-    if kind == "none":
-        return NoDrafter()
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind in WITH_DRAFT_MODEL:
-        if draft is None:
-            raise InvalidRequestError(f"drafter {kind!r} needs a draft model (--draft)")
-        check_same_tokenizer(target.tokenizer, draft.tokenizer)
-        model = ModelDrafter(draft.model, target.model.config.vocab_size,
-                             max_context or target.model.config.max_position_embeddings,
-                             min_confidence=DRAFT_MIN_CONFIDENCE if adaptive or kind == "hybrid" else 0.0,
-                             batch=batch)
-        return model if kind == "model" else HybridDrafter(model, gamma)
-    raise InvalidRequestError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
-
-
-def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
-                    gamma: int | None = None, dtype: str = "auto",
-                    device: str = "cpu", bit_exact: bool = True, max_context: int | None = None,
-                    quant: str = "none", draft_quant: str = "auto",
-                    draft_vocab: int | None = None) -> SpeculativeGenerator:
-    """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and schedule.
-
-    gamma: a fixed draft length, 1..8 (for hybrid: its model's). By default the model and ngram drafters choose
-    each step's length (0 included) from the measured costs and acceptance (engine.CostModel), faster than gamma 4
-    in every benchmark that ran both; hybrid drafts 4 model tokens or up to 8 copied ones. quant / draft_quant:
-    weight-only quantization of the target / the draft when they are loaded here ("auto": fastest here).
-    draft_vocab: the draft proposes only token ids below it (see load_draft)."""
-    return _assemble(target, draft, drafter, gamma, dtype, device, bit_exact, max_context, quant, draft_quant,
-                     draft_vocab)
-
-
-def build_scheduler(target: str | LoadedModel, *, max_batch: int = 8, max_queue: int = 64,
-                    on_step: Callable[[int], None] | None = None, **generator_args) -> Scheduler:
-    """A continuous-batching scheduler for the server: its drafter keeps one row per batch slot. Its batched steps
-    draft fixed lengths (gamma, default 4 for the draft model and 8 for lookups): the cost model is per sequence."""
-    if max_batch < 1 or max_queue < 0:
-        raise InvalidRequestError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
-    return Scheduler(_assemble(target, **generator_args, batch=max_batch, choose_lengths=False), max_batch, max_queue,
-                     on_step)
+def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int | None = None,
+                 chooses_lengths: bool = False, max_context: int | None = None, batch: int = 1) -> Drafter:
+    """The drafter named `kind` (drafting.registry()); gamma: its length (default: the drafter's); batch: how many
+    sequences it drafts for at once (the server's --max-batch)."""
+    spec = drafter_spec(kind)
+    if spec.needs_draft_model and draft is None:
+        raise InvalidRequestError(f"drafter {kind!r} needs a draft model (--draft)")
+    return spec.build(DraftingSetup(target, draft, gamma or spec.gamma, chooses_lengths,
+                                    max_context or target.model.config.max_position_embeddings, batch))
 
 
 def check_drafting(drafter: str, gamma: int | None) -> None:
     """The drafting arguments' errors, before anything slow is loaded."""
-    if drafter not in DRAFTERS:
-        raise InvalidRequestError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    drafter_spec(drafter)
     if gamma is not None and not 1 <= gamma <= MAX_GAMMA:
         raise InvalidRequestError(f"gamma must be in [1, {MAX_GAMMA}], got {gamma}")
 
 
-def _assemble(target: str | LoadedModel, draft: str | LoadedModel | None = None, drafter: str = "model",
-              gamma: int | None = None, dtype: str = "auto", device: str = "cpu",
-              bit_exact: bool = True, max_context: int | None = None, quant: str = "none",
-              draft_quant: str = "auto", draft_vocab: int | None = None, batch: int = 1,
-              choose_lengths: bool = True) -> SpeculativeGenerator:
+def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
+                    gamma: int | None = None, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
+                    max_context: int | None = None, quant: str = "none", draft_quant: str = "auto",
+                    draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
+    """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and draft lengths.
+
+    gamma: a fixed draft length, 1..8. By default the drafters that can (drafting.registry(): model, ngram) choose
+    each step's length (0 included) from the measured costs and acceptance (draft_lengths.CostModel); the others
+    draft their own default length. quant / draft_quant: weight-only quantization of the target / the draft when
+    they are loaded here ("auto": fastest here). draft_vocab: the draft proposes only token ids below it (see
+    load_draft). batch: sequences drafted for at once (serving.scheduler.build_scheduler)."""
     check_drafting(drafter, gamma)
-    adaptive = choose_lengths and gamma is None and drafter in ADAPTIVE_DRAFTERS
-    model_gamma = gamma or DEFAULT_GAMMA
-    schedule = GammaSchedule(MAX_GAMMA if drafter == "hybrid" or (drafter == "ngram" and gamma is None)
-                             else model_gamma, adaptive, maximum=MAX_GAMMA)
+    spec = drafter_spec(drafter)
+    chooses_lengths = gamma is None and spec.chooses_lengths
+    schedule = GammaSchedule(gamma or spec.gamma, chooses_lengths, maximum=MAX_GAMMA)
     tgt = target if isinstance(target, LoadedModel) else load_target(target, dtype=dtype, device=device,
                                                                      bit_exact=bit_exact, quant=quant)
     dft = None
-    if drafter in WITH_DRAFT_MODEL:
+    if spec.needs_draft_model:
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_draft(draft, dtype=dtype, device=device,
                                                                       quant=draft_quant, batch=batch, vocab=draft_vocab)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    drafting = make_drafter(drafter, tgt, dft, gamma=model_gamma, adaptive=adaptive, max_context=max_context,
-                            batch=batch)
+    drafting = make_drafter(drafter, tgt, dft, gamma=schedule.initial, chooses_lengths=chooses_lengths,
+                            max_context=max_context, batch=batch)
     return SpeculativeGenerator(tgt.model, drafting, tgt.tokenizer, schedule, max_context)

@@ -12,21 +12,28 @@ from specdecode.errors import InvalidRequestError, SpecDecodeError
 from specdecode.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
-def _add_model_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
-    from specdecode.builder import DEFAULT_GAMMA, DRAFTERS, MAX_GAMMA
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from specdecode.draft_lengths import MAX_GAMMA
+    from specdecode.drafting import registry
     from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
     p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"catalog name, HF folder or GGUF file (default {DEFAULT_TARGET})")
-    p.add_argument("--draft", default=None, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
-    p.add_argument("--drafter", choices=DRAFTERS, default="model")
+                   help=f"catalog name, local HF folder or GGUF file, or Hugging Face Hub id owner/name[@revision] "
+                        "or owner/name[@revision]:file.gguf, fetched into the HF cache (offline once there); a name "
+                        "with no or several slashes, starting with . / ~ or ending in .gguf is a local path "
+                        f"(default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None,
+                   help=f"draft model for --drafter model, named like --target (default {DEFAULT_DRAFT})")
+    drafters = registry()
+    p.add_argument("--drafter", choices=list(drafters), default="model",
+                   help="; ".join(f"{name}: {spec.help}" for name, spec in drafters.items()) + " (default model)")
+    choosing = " and ".join(name for name, spec in drafters.items() if spec.chooses_lengths)
     p.add_argument("--gamma", type=int, default=None, help=(
-        f"draft tokens per step, 1..{MAX_GAMMA} (default: {DEFAULT_GAMMA} for the draft model, {MAX_GAMMA} for lookups)"
-        if serving else
-        f"a fixed number of draft tokens per step, 1..{MAX_GAMMA} (default: the model and ngram drafters choose each "
-        "step's length, 0 included, from the measured costs and acceptance; a seeded sample with rejection coupling "
-        f"grows and shrinks it from {DEFAULT_GAMMA} instead, so that the seed reproduces it; hybrid drafts "
-        f"{DEFAULT_GAMMA} model tokens or up to {MAX_GAMMA} copied ones)"))
+        f"a fixed number of draft tokens per step, 1..{MAX_GAMMA} (default: the {choosing} drafters choose each "
+        "step's length, 0 included, from the measured costs and acceptance, each sequence its own; a seeded sample "
+        "with rejection coupling grows and shrinks it instead, so that the seed reproduces it; other drafters "
+        "draft their own fixed length: " + ", ".join(f"{name} {spec.gamma}" for name, spec in drafters.items()
+                                                      if not spec.chooses_lengths and spec.name != "none") + ")"))
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto (default): bfloat16 where its matmuls are clearly faster on this CPU (measured once, "
                         "cached), else float32")
@@ -47,14 +54,14 @@ def _padding(model) -> str:
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    from specdecode.models.linear import kernels
+
+    choices = "; ".join(f"{kind}{'-gG' if cls.group_sizes else ''} ({cls.help}"
+                        + (f"; needs {cls.requires}" if cls.requires != "any CPU" else "") + ")"
+                        for kind, cls in kernels().items())
     p.add_argument("--quant", default="none", metavar="Q",
-                   help="weight-only quantization of the target's linears: none (default), int8 (per output channel), "
-                        "int4 (groups of 32; int4-g64 / int4-g128; torch's kernel), int4-amx (the same numbers in "
-                        "our AMX kernel: k <= 16 rows cost about one; AMX CPUs only; the lm_head then int8-amx), "
-                        "int8-amx (per-channel int8 on the same tiles), w4a8 (our C++ int4 x int8 kernel, "
-                        "row-invariant on AVX2 and AVX-512; the lm_head then w6a8), w6a8 / w8a8 (6-bit / int8 weights "
-                        "x int8, same kernel), or auto (the fastest kernel on this CPU). "
-                        "Quantizing the target changes its outputs")
+                   help=f"weight-only quantization of the target's linears (default none): {choices}; or auto (the "
+                        "fastest kernel on this CPU). Quantizing the target changes its outputs")
     p.add_argument("--draft-quant", default="auto", metavar="Q",
                    help="the draft's quantization, same choices; default auto: the draft's precision never changes "
                         "the output, only how often its tokens are accepted")
@@ -155,7 +162,7 @@ def _runtime_bench(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     _require("bench")
-    from specdecode.bench.methods import OURS
+    from specdecode.bench.methods import our_kinds
     from specdecode.bench.spec_bench import benchmark, markdown_table, report
     from specdecode.builder import check_drafting
 
@@ -172,7 +179,8 @@ def _bench(args: argparse.Namespace) -> int:
                             bit_exact=args.bit_exact, coupling=args.coupling)
     print(markdown_table(summary))
     print(f"\nwritten to {args.out}/: results.jsonl, summary.json, table.md, *.png")
-    bad = {m: s["mismatches"] for m, s in summary["methods"].items() if s["mismatches"] and m.partition(":")[0] in OURS}
+    ours = our_kinds()
+    bad = {m: s["mismatches"] for m, s in summary["methods"].items() if s["mismatches"] and m.partition(":")[0] in ours}
     if bad:  # our speculative output left our plain decoding's path: a correctness failure, never hidden
         print(f"specdecode: error: greedy mismatches (question id, position): {bad}", file=sys.stderr)
         return 1
@@ -220,7 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
     _require("serve")
     import uvicorn
 
-    from specdecode.builder import build_scheduler
+    from specdecode.serving.scheduler import build_scheduler
     from specdecode.serving.app import create_app
 
     api_key = _api_key(args.api_key_file)  # before the slow load: a wrong path fails at once
@@ -334,27 +342,27 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("models", help="list the catalog and what is pulled")
     ls.set_defaults(func=_list)
 
-    from specdecode.bench.methods import OURS, PEERS
+    from specdecode.bench.methods import PEERS, our_kinds
     from specdecode.bench.spec_bench import DEFAULT_QUESTIONS
-    from specdecode.builder import DEFAULT_GAMMA
     from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
     b = sub.add_parser("bench", help="Spec-Bench: our methods and peers interleaved per prompt; tables and plots",
                        description="Speedups are tokens/s ratios on the same prompts, measured in this run on this "
-                                   "machine. A method is KIND[:DTYPE][:QUANT], e.g. model:bfloat16:int4; `plain` in "
+                                   "machine. A method is KIND[:gG][:DTYPE][:QUANT], e.g. model:g4:bfloat16:int4 "
+                                   "(a fixed draft length G; without it the drafter's default); `plain` in "
                                    "--dtype always runs first as the reference. Peers need `pip install "
                                    "specdecode[peers]` and are skipped if missing.")
     b.add_argument("--target", default=DEFAULT_TARGET)
     b.add_argument("--draft", default=DEFAULT_DRAFT)
-    b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "adaptive"], metavar="METHOD",
-                   help=f"any of {', '.join(OURS + PEERS)}, optionally :float32 / :bfloat16 and a target "
-                        "quantization :int8 / :int4 / :w4a8 ...")
+    b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "model:g4"], metavar="METHOD",
+                   help=f"any of {', '.join(our_kinds() + PEERS)}, optionally :gG (ours), :float32 / :bfloat16 and a "
+                        "target quantization :int8 / :int4 / :w4a8 ...")
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     b.add_argument("--quant", default="none", metavar="Q",
                    help="the target quantization of our methods that name none (the reference `plain` included), e.g. "
                         "w4a8 where the unquantized plain reference would take hours (AVX2 CPUs)")
     b.add_argument("--gamma", type=int, default=None,
-                   help=f"the fixed draft length of `model`, `ngram` and `hybrid`, 1..8 (default {DEFAULT_GAMMA} for "
-                        "the draft model, 8 for lookups; `adaptive` and `ngram-adaptive` choose theirs each step)")
+                   help="a fixed draft length, 1..8, for our drafting methods that name none (default: each "
+                        "drafter's own, chosen each step where it can)")
     b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft model proposes only the first N token ids (a smaller, faster lm_head; lossless)")
     b.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
@@ -373,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative steps",
                         description="POST /v1/completions and /v1/chat/completions (stream or not), GET /v1/models, "
                                     "/health, /metrics (Prometheus), /docs and /openapi.json.")
-    _add_model_args(sv, serving=True)
+    _add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-batch", type=int, default=8, help="sequences decoded together per engine step")

@@ -1,7 +1,7 @@
 """`specdecode doctor`: what this CPU offers, how fast each linear kernel is here, and whether it is bit-exact.
 
 The CPUs we run on differ (AVX2-only Zen 3, AVX-512 Zen 5, AMX Xeons) and so does the fastest kernel
-(shared/CPU.md). The doctor measures instead of guessing: ms for k = 1..16 rows through one projection
+(docs/kernels.md). The doctor measures instead of guessing: ms for k = 1..16 rows through one projection
 per (dtype, quant), the invariance of each kernel, memory bandwidth and the resulting floor per model.
 """
 
@@ -14,27 +14,23 @@ import torch
 from specdecode.bench.runtime import cpu_name
 from specdecode.builder import VERIFY_WIDTH
 from specdecode.cpu import cpu_info
-from specdecode.kernels import decode_ops, w4a8
+from specdecode.kernels import decode_ops
 from specdecode.models.config import ModelConfig
 from specdecode.models.autotune import fastest_dtype, fastest_quant, streamed_layers, time_rows
-from specdecode.models.linear import OUR_INT8_ACTIVATIONS, Linear, invariant_rows, kernel_available
+from specdecode.models.linear import Linear, invariant_rows, kernel, kernel_available, kernels
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
-           ("bfloat16", "int4-amx"), ("bfloat16", "int8-amx"), ("bfloat16", "w4a8"), ("bfloat16", "w6a8"),
-           ("bfloat16", "w8a8"),
-           ("float32", "int8")]
 KS = tuple(range(1, 17))
-BYTES_PER_WEIGHT = {"none": None, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / 32, "int4-amx": 0.5 + 4 / 32,
-                    "int8-amx": 1.0 + 4 / 1536, "w4a8": 0.5 + 4 / 32, "w6a8": 0.75 + 4 / 32,
-                    "w8a8": 1.0 + 4 / 32}  # + scales
-W4A8_SUPER_BYTES = 0.5 + 16 / 256  # w4a8 where the kernel reads super-blocks: a float, an int32, 8 int8 per 256
+
+
+def configs() -> list[tuple[str, str]]:
+    """(dtype, quant) pairs to time: dense in both dtypes, then every kernel (kernels()) in bf16, int8 in float32."""
+    return [("float32", "none")] + [("bfloat16", kind) for kind in kernels()] + [("float32", "int8")]
 
 
 def bytes_per_weight(quant: str) -> float | None:
     """What a decode step reads per weight of this quant (None: the dtype's size)."""
-    ext = w4a8.extension() if quant == "w4a8" else None
-    return W4A8_SUPER_BYTES if ext is not None and ext.lanes(4) == 8 else BYTES_PER_WEIGHT[quant]
+    return kernel(quant).bytes_per_weight()
 
 
 def cpu_flags() -> list[str]:
@@ -90,21 +86,19 @@ def floor_ms(cfg: ModelConfig, dtype: str, quant: str, bandwidth_gbs: float) -> 
 def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfig] | None = None,
              repeats: int = 5) -> dict:
     """Everything `specdecode doctor` prints, as one JSON-able dict."""
-    kernels = []
-    for dtype, quant in CONFIGS:
+    timed = []
+    for dtype, quant in configs():
         if not kernel_available(quant):  # timing w4a8's pure-torch fallback would say nothing
-            kernels.append({"name": quant, "dtype": dtype, "quant": quant,
-                            "error": "our C++ kernel did not build here (int4-amx also needs AMX-BF16)"})
+            timed.append({"name": quant, "dtype": dtype, "quant": quant,
+                          "error": f"unavailable here: it needs {kernel(quant).requires}"})
             continue
         try:
             layers = streamed_layers(getattr(torch, dtype), quant, shape)
             curve = kernel_curve(layers, repeats=repeats)
         except Exception as exc:  # noqa: BLE001  a kernel this torch build or CPU lacks, or a shape it refuses
-            kernels.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
+            timed.append({"name": f"{quant}/{dtype}", "dtype": dtype, "quant": quant, "error": str(exc)[:200]})
             continue
-        path = f"({w4a8.extension().simd_path()})" if quant in OUR_INT8_ACTIVATIONS else ""
-        name = type(layers[0]).__name__ + path
-        kernels.append({"name": f"{name}/{dtype}", "dtype": dtype, "quant": quant,
+        timed.append({"name": f"{layers[0].kernel_name()}/{dtype}", "dtype": dtype, "quant": quant,
                         "ms_by_k": curve, "flatness_8_over_1": round(curve[8] / curve[1], 2),
                         "bit_exact": row_invariant(layers[0]),
                         "by_construction": layers[0].row_invariant,  # then bit-exact mode need not pad
@@ -112,13 +106,13 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
                         "invariant_sequences": invariant_rows(layers[0], 9, 8)})
         del layers
     bandwidth = memory_bandwidth_gbs()
-    floors = {name: {f"{d}/{q}": round(floor_ms(cfg, d, q, bandwidth), 1) for d, q in CONFIGS}
+    floors = {name: {f"{d}/{q}": round(floor_ms(cfg, d, q, bandwidth), 1) for d, q in configs()}
               for name, cfg in (models or {}).items()}
     # what --dtype auto and --draft-quant auto pick: a bit-exact verify step has 9 rows, a draft step 1
     target_dtype, draft_dtype = fastest_dtype(VERIFY_WIDTH), fastest_dtype(1)
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "projection": list(shape), "kernels": kernels, "bandwidth_gbs": round(bandwidth, 1),
+            "projection": list(shape), "kernels": timed, "bandwidth_gbs": round(bandwidth, 1),
             "floor_ms_per_token": floors, "decode_ops": decode_ops.extension() is not None,
             "chosen": {"target": {"dtype": target_dtype, "quant": "none",
                                   "quant_auto": fastest_quant(getattr(torch, target_dtype), VERIFY_WIDTH)},

@@ -1,51 +1,38 @@
 """Benchmark methods: one interface over our engine's configurations and the peers (transformers, llama.cpp).
 
-A method is named `kind[:dtype][:quant]` (e.g. `plain`, `model:float32`, `plain:int4`, `hf-plain:bfloat16`);
-without a dtype it runs in the bench's `--dtype`, without a quant unquantized (quant applies to our target;
-the draft is always the fastest here, as `--draft-quant auto`). Every method decodes the same prompt token ids.
+A method is named `kind[:gG][:dtype][:quant]`: `plain` (our plain decoding), a drafter's name (drafting.registry():
+`model`, `ngram`, `hybrid`, ...; with `:gG` a fixed draft length G, else the drafter's default, chosen each step
+where it can) or a peer (`hf-plain:bfloat16`). Without a dtype it runs in the bench's `--dtype`, without a quant
+unquantized (quant applies to our target; the draft is always the fastest here, as `--draft-quant auto`). Every
+method decodes the same prompt token ids.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
-from specdecode.builder import DEFAULT_GAMMA, MAX_GAMMA, WITH_DRAFT_MODEL, build_generator, load_draft, load_target
+from specdecode.bench.runs import Method, PeerUnavailable, RunOutput
+from specdecode.builder import build_generator, check_drafting, load_draft, load_target
+from specdecode.drafting import registry
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.linear import parse_quant
 from specdecode.models.loading import DTYPES, LoadedModel
 
-OURS = ("plain", "ngram", "ngram-adaptive", "model", "adaptive", "hybrid")
 PEERS = ("hf-plain", "hf-assisted", "hf-prompt-lookup", "llama-cpp", "llama-cpp-prompt-lookup")
 PLAIN_KINDS = ("plain", "hf-plain", "llama-cpp")  # no drafting: the baselines a speedup is measured against
-# the fixed-length methods carry their default gamma (bench --gamma replaces it); without one, the length is chosen
-# each step (builder.build_generator)
-_OUR_CONFIG = {"plain": dict(drafter="none"), "ngram": dict(drafter="ngram", gamma=MAX_GAMMA),
-               "ngram-adaptive": dict(drafter="ngram"), "model": dict(drafter="model", gamma=DEFAULT_GAMMA),
-               "adaptive": dict(drafter="model"), "hybrid": dict(drafter="hybrid", gamma=None)}
+_FIXED_GAMMA = re.compile(r"g(\d+)")
 
 
-@dataclass
-class RunOutput:
-    token_ids: list[int]
-    seconds: float  # prefill + decode, end to end
-    target_forward_passes: int  # target forwards that yielded tokens (a prefill that yields none is not one)
-    drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
+def our_kinds() -> tuple[str, ...]:
+    """`plain` and every drafter but `none` (which is `plain`)."""
+    return ("plain", *(name for name in registry() if name != "none"))
 
 
-class Method(Protocol):
-    name: str
-
-    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
-            eos_ids: list[int]) -> RunOutput: ...
-
-
-class PeerUnavailable(Exception):
-    """A peer's optional package is not installed (or cannot run these weights): the bench skips it."""
+def _drafter(kind: str) -> str:
+    return "none" if kind == "plain" else kind
 
 
 @dataclass(frozen=True)
@@ -53,16 +40,23 @@ class MethodSpec:
     kind: str
     dtype: str
     quant: str = "none"
+    gamma: int | None = None  # a fixed draft length (our drafting methods only)
 
     @classmethod
     def parse(cls, text: str, default_dtype: str, default_quant: str = "none") -> MethodSpec:
         kind, *options = text.split(":")
-        if kind not in OURS + PEERS:
-            raise InvalidRequestError(f"unknown method {kind!r}; choose from {', '.join(OURS + PEERS)}")
-        dtype, quant = default_dtype, default_quant if kind in OURS else "none"
+        ours = our_kinds()
+        if kind not in ours + PEERS:
+            raise InvalidRequestError(f"unknown method {kind!r}; choose from {', '.join(ours + PEERS)}")
+        dtype, quant, gamma = default_dtype, default_quant if kind in ours else "none", None
         for option in options:
             if option in DTYPES:
                 dtype = option
+            elif fixed := _FIXED_GAMMA.fullmatch(option):
+                if kind not in ours or kind == "plain":
+                    raise InvalidRequestError(f"{text!r}: a draft length applies to our drafting methods")
+                gamma = int(fixed.group(1))
+                check_drafting(kind, gamma)
             else:
                 try:
                     parse_quant(option)
@@ -71,13 +65,14 @@ class MethodSpec:
                                               f"({', '.join(DTYPES)}) nor a quantization (none, int8, int4[-gG], "
                                               "int4-amx[-gG], int8-amx, w4a8, w6a8, w8a8)") from None
                 quant = option
-        if quant != "none" and kind not in OURS:
+        if quant != "none" and kind not in ours:
             raise InvalidRequestError(f"{text!r}: peers run their own weights; quantization applies to our methods")
-        return cls(kind, dtype, quant)
+        return cls(kind, dtype, quant, gamma)
 
     def name(self, default_dtype: str, default_quant: str = "none") -> str:
-        quant = self.quant != (default_quant if self.kind in OURS else "none")
-        return ":".join([self.kind] + [self.dtype] * (self.dtype != default_dtype) + [self.quant] * quant)
+        quant = self.quant != (default_quant if self.kind in our_kinds() else "none")
+        return ":".join([self.kind] + [f"g{self.gamma}"] * (self.gamma is not None)
+                        + [self.dtype] * (self.dtype != default_dtype) + [self.quant] * quant)
 
 
 @dataclass
@@ -105,7 +100,7 @@ def parse_methods(names: list[str], default_dtype: str, default_quant: str = "no
     specs = [MethodSpec.parse(n, default_dtype, default_quant) for n in names]
     for s in list(specs):  # every method of ours is checked against our plain decoding of the same weights
         baseline = MethodSpec("plain", s.dtype, s.quant)
-        if s.kind in OURS and baseline not in specs:
+        if s.kind in our_kinds() and baseline not in specs:
             specs.append(baseline)
     reference = MethodSpec("plain", default_dtype, default_quant)
     specs = [reference] + sorted((s for s in specs if s != reference), key=lambda s: s.kind not in PLAIN_KINDS)
@@ -118,6 +113,7 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
                   gamma: int | None, bit_exact: bool = True, coupling: str = "rejection",
                   draft_vocab: int | None = None, log=print) -> list[Method]:
     """Load each (model, dtype) once; peers whose package is missing are skipped with a message.
+    gamma: the fixed draft length of our drafting methods that name none (None: each drafter's default).
     draft_vocab: our draft model proposes only the first N token ids (see `builder.load_draft`)."""
     from specdecode.bench import peers
 
@@ -126,19 +122,18 @@ def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtyp
     methods: list[Method] = []
     for spec in specs:
         name = spec.name(default_dtype, default_quant)
-        if spec.kind in OURS:
+        if spec.kind in our_kinds():
             key = (spec.dtype, spec.quant)
             if key not in targets:
                 targets[key] = load_target(target, dtype=spec.dtype, bit_exact=bit_exact, quant=spec.quant)
-            cfg = dict(_OUR_CONFIG[spec.kind])
-            if gamma is not None and "gamma" in cfg:  # bench --gamma: the length of the fixed-length methods
-                cfg["gamma"] = gamma
+            drafter = _drafter(spec.kind)
             dft = None
-            if cfg["drafter"] in WITH_DRAFT_MODEL:
+            if registry()[drafter].needs_draft_model:
                 if spec.dtype not in drafts:  # the fastest draft here, as our default: it never changes the output
                     drafts[spec.dtype] = load_draft(draft, dtype=spec.dtype, vocab=draft_vocab)
                 dft = drafts[spec.dtype]
-            gen = build_generator(targets[key], draft=dft, **cfg)
+            fixed = spec.gamma or (gamma if drafter != "none" else None)
+            gen = build_generator(targets[key], draft=dft, drafter=drafter, gamma=fixed)
             methods.append(EngineMethod(name, gen, coupling))
         else:
             try:

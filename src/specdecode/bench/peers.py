@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from specdecode.bench.methods import PeerUnavailable, RunOutput
+from specdecode.bench.runs import PeerUnavailable, RunOutput
 from specdecode.models.catalog import resolve
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value, also llama-cpp-python's default

@@ -18,7 +18,9 @@ import httpx
 
 from specdecode.bench.runtime import cpu_name
 from specdecode.bench.spec_bench import DEFAULT_QUESTIONS, load_questions
-from specdecode.builder import WITH_DRAFT_MODEL, build_scheduler, load_draft, load_target
+from specdecode.builder import load_draft, load_target
+from specdecode.drafting import drafter_spec
+from specdecode.serving.scheduler import build_scheduler
 from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -87,7 +89,8 @@ def serving_bench(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT,
     from specdecode.serving.app import create_app, serve_in_thread
 
     tgt = load_target(target, dtype=dtype)
-    dft = load_draft(draft, dtype=dtype, batch=max_batch) if any(d in WITH_DRAFT_MODEL for d in drafters) else None
+    needs_draft = any(drafter_spec(d).needs_draft_model for d in drafters)
+    dft = load_draft(draft, dtype=dtype, batch=max_batch) if needs_draft else None
     rows = []
     for drafter in drafters:
         for batch in sorted({max_batch, 1}, reverse=True):

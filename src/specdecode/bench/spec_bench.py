@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.bench.methods import PLAIN_KINDS, EngineMethod, Method
+from specdecode.bench.methods import PLAIN_KINDS, EngineMethod
+from specdecode.bench.runs import Method
 from specdecode.errors import InvalidRequestError
 
 # a copy of hemingkx/Spec-Bench's data/spec_bench/question.jsonl, with its Apache-2.0 LICENSE beside it

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.verification.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
 
 
 @dataclass
@@ -34,8 +39,6 @@ class Drafter:
     drafters implement `propose`; drafters that gain from batching implement `propose_batch`.
     """
 
-    name: str
-
     def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         return self.propose_batch([DraftRequest(0, context, gamma, params, generator)])[0]
 
@@ -45,3 +48,28 @@ class Drafter:
 
     def reset(self, row: int = 0) -> None:
         """Forget the per-request state of a row (a new request starts there)."""
+
+
+@dataclass(frozen=True)
+class DraftingSetup:
+    """What a drafter is built from."""
+
+    target: LoadedModel
+    draft: LoadedModel | None  # loaded only for drafters that need one
+    gamma: int  # the sequence's draft length: fixed, or where chosen lengths start
+    chooses_lengths: bool  # whether the cost model chooses each step's length
+    max_context: int
+    batch: int  # sequences drafted for at once (the server's --max-batch)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter as the command line, the library, the server and the bench know it: each drafter module defines
+    one as `SPEC` (drafting/__init__.py collects them)."""
+
+    name: str
+    help: str  # one line for --help
+    build: Callable[[DraftingSetup], Drafter]
+    needs_draft_model: bool = False
+    gamma: int = 4  # the default draft length: fixed, or where chosen lengths start
+    chooses_lengths: bool = False  # by default the cost model chooses each step's length (0 included)

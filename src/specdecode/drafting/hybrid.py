@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specdecode.drafting.base import Draft, Drafter, DraftRequest
+from specdecode.drafting import model
+from specdecode.drafting.base import Draft, Drafter, DrafterSpec, DraftingSetup, DraftRequest
 from specdecode.drafting.model import ModelDrafter
 from specdecode.drafting.ngram import NgramDrafter
+
+MODEL_GAMMA = 4  # at most this many draft model tokens per step
 
 
 class HybridDrafter(Drafter):
     """Each step: a lookup hit of at least `min_ngram` tokens proposes up to gamma copied tokens; otherwise
     the draft model proposes up to `model_gamma`. The choice depends only on the context, so it is lossless."""
-
-    name = "hybrid"
 
     def __init__(self, model: ModelDrafter, model_gamma: int, min_ngram: int = 2) -> None:
         self.lookup = NgramDrafter(max_ngram=3, min_ngram=min_ngram)
@@ -27,3 +28,11 @@ class HybridDrafter(Drafter):
 
     def reset(self, row: int = 0) -> None:
         self.model.reset(row)
+
+
+def build(setup: DraftingSetup) -> HybridDrafter:
+    return HybridDrafter(model.build(setup, min_confidence=model.MIN_CONFIDENCE), min(setup.gamma, MODEL_GAMMA))
+
+
+SPEC = DrafterSpec("hybrid", f"prompt lookup where the context repeats (up to gamma copied tokens), else the draft "
+                   f"model (up to {MODEL_GAMMA})", build, needs_draft_model=True, gamma=8)

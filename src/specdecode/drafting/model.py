@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafting.base import Draft, Drafter, DraftRequest
-from specdecode.errors import ModelLoadError
+from specdecode.drafting.base import Draft, Drafter, DrafterSpec, DraftingSetup, DraftRequest
+from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.decoder import Transformer
 from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.sampling import processed_probs, sample
 
 
 MAX_SHARED_FEED = 16  # longer feeds (a new prompt) are prefilled row by row, not padded into the shared forward
+MIN_CONFIDENCE = 0.3  # with chosen lengths, drafting stops after a token the draft gives less than this
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -29,8 +30,6 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
 class ModelDrafter(Drafter):
     """Drafts autoregressively, one cache row per sequence; a batch of sequences drafts in shared forwards
     (one [rows, 1] forward per draft position), so drafting for 8 sequences costs about as much as for one."""
-
-    name = "model"
 
     def __init__(self, model: Transformer, target_vocab: int, max_len: int, min_confidence: float = 0.0,
                  batch: int = 1) -> None:
@@ -113,3 +112,18 @@ class ModelDrafter(Drafter):
             i += 1
         del cached[i:]  # O(1) for the cache itself: a row's length is len(self.cached[row])
         return i
+
+
+def build(setup: DraftingSetup, min_confidence: float | None = None) -> ModelDrafter:
+    """The draft model of `setup`, checked against the target's tokenizer."""
+    if setup.draft is None:
+        raise InvalidRequestError("this drafter needs a draft model (--draft)")
+    check_same_tokenizer(setup.target.tokenizer, setup.draft.tokenizer)
+    if min_confidence is None:
+        min_confidence = MIN_CONFIDENCE if setup.chooses_lengths else 0.0
+    return ModelDrafter(setup.draft.model, setup.target.model.config.vocab_size, setup.max_context,
+                        min_confidence=min_confidence, batch=setup.batch)
+
+
+SPEC = DrafterSpec("model", "a smaller model with the same tokenizer drafts autoregressively", build,
+                   needs_draft_model=True, gamma=4, chooses_lengths=True)

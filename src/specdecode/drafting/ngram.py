@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafting.base import Draft, Drafter
+from specdecode.drafting.base import Draft, Drafter, DrafterSpec
 from specdecode.errors import InvalidRequestError
 from specdecode.verification.sampling import SamplingParams
 
 
 class NgramDrafter(Drafter):
-    name = "ngram"
-
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise InvalidRequestError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -26,3 +24,7 @@ class NgramDrafter(Drafter):
                 follow = int(hits[-1]) + n  # most recent match; propose what followed it
                 return Draft(context[follow:follow + gamma], None)
         return Draft([], None)
+
+
+SPEC = DrafterSpec("ngram", "prompt lookup: copies what followed the latest earlier match of the last 1-3 tokens",
+                   lambda setup: NgramDrafter(), gamma=8, chooses_lengths=True)

@@ -17,7 +17,10 @@ from types import ModuleType
 
 import torch
 
+from specdecode.errors import InvalidRequestError
 from specdecode.kernels.build import build, build_for_cpu
+from specdecode.kernels.torch_int import INT4_GROUP_SIZES, int4_groups
+from specdecode.models.linear import Linear
 
 CHUNK = 32  # inputs per tile multiply
 TILE = 16  # outputs per tile
@@ -127,3 +130,113 @@ def int8_amx_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if ext is None:
         raise RuntimeError("the int8-amx kernel needs a CPU with AMX-BF16; use --quant int8 here")
     return ext.int8_amx_mm(x.to(torch.bfloat16).contiguous(), packed, scale, out_dtype == torch.bfloat16)
+
+
+class Int4AmxLinear(Linear):
+    """The numbers of `Int4Linear` in our AMX kernel: up to 16 rows for the cost of one."""
+
+    kind = "int4-amx"
+    help = "the int4 numbers in our AMX kernel: k <= 16 rows cost about one; the lm_head then int8-amx"
+    bits = 4
+    group_sizes = INT4_GROUP_SIZES
+    requires = "a CPU with AMX-BF16 (Sapphire Rapids or later) and a C++ compiler"
+    head = "int8-amx"
+    row_invariant = True
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(out_features, packed.shape[1] * CHUNK, bias, dtype)
+        self.group = group
+        self.register_buffer("packed", packed)  # [out padded to 16 / 16, in / 32, 256] uint8
+        self.register_buffer("scale_zero", scale_zero)  # [out padded / 16, in / group, 32] int16 (bf16 bits)
+        self.register_buffer("width", torch.tensor(out_features))  # the padding hides it: kept to rebuild the layer
+
+    @classmethod
+    def available(cls) -> bool:
+        return extension() is not None
+
+    @classmethod
+    def bytes_per_weight(cls) -> float:
+        return 0.5 + 4 / 32  # + a bf16 scale and zero per group of 32
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 group: int = INT4_GROUP_SIZES[0]) -> Int4AmxLinear:
+        q, scale, zero = int4_groups(weight, group)
+        _require_amx(cls)
+        return cls(*pack(q, scale, zero), group, weight.shape[0], bias, weight.dtype)
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], group: int, dtype: torch.dtype) -> Int4AmxLinear:
+        _require_amx(cls)  # a cache written on another CPU, or a kernel that no longer builds
+        return cls(tensors["packed"], tensors["scale_zero"], group, int(tensors["width"]), tensors.get("bias"),
+                   dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.packed, self.scale_zero, self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
+        y = int4_amx_mm(rows, self.packed, self.scale_zero, self.group, out_dtype)
+        return y[:, :self.out_features].contiguous().to(rows.dtype)  # no copy where the width is a multiple of 16
+
+
+class Int8AmxLinear(Linear):
+    """Weight-only int8, symmetric per output channel (W ~ q * scale, scale a bf16 value), in our AMX kernel.
+
+    The int4-amx machinery twice per weight: q + 128 is split into two nibbles, each dequantized through a table
+    into its own tile (16 * (hi - 8) and lo - 8, exact in bf16), and x * 8 * scale restores the offset. The scale
+    is per channel, so no rescale per group: k <= 16 rows cost about what one does. Row-invariant like int4-amx.
+    An int4-amx target's lm_head (llama.cpp keeps its output layer wider than its blocks too).
+    """
+
+    kind = "int8-amx"
+    help = "per-channel int8 on the same tiles"
+    bits = 8
+    requires = Int4AmxLinear.requires
+    row_invariant = True
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(out_features, packed.shape[1] * CHUNK, bias, dtype)
+        self.register_buffer("packed", packed)  # [out padded to 16 / 16, in / 32, 2, 256] uint8
+        self.register_buffer("scale", scale)  # [out padded] float32 (bf16 values)
+        self.register_buffer("width", torch.tensor(out_features))
+
+    @classmethod
+    def available(cls) -> bool:
+        return extension() is not None
+
+    @classmethod
+    def bytes_per_weight(cls) -> float:
+        return 1.0 + 4 / 1536  # + a float scale per row of 1536
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 0) -> Int8AmxLinear:
+        _require_amx(cls)
+        if weight.shape[1] % CHUNK:
+            raise InvalidRequestError(f"int8-amx needs a width that is a multiple of {CHUNK}; this layer "
+                                      f"is {weight.shape[1]} wide")
+        w = weight.float()
+        scale = (w.abs().amax(1, keepdim=True).clamp(min=1e-10) / 127).to(torch.bfloat16).float()  # [N, 1]
+        q = (w / scale).round().clamp(-127, 127)
+        return cls(*pack_int8(q, scale.squeeze(1)), weight.shape[0], bias, weight.dtype)
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], group: int, dtype: torch.dtype) -> Int8AmxLinear:
+        _require_amx(cls)
+        return cls(tensors["packed"], tensors["scale"], int(tensors["width"]), tensors.get("bias"), dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int8(self.packed, self.scale, self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
+        y = int8_amx_mm(rows, self.packed, self.scale, out_dtype)
+        return y[:, :self.out_features].contiguous().to(rows.dtype)
+
+
+def _require_amx(cls: type[Linear]) -> None:
+    if not cls.available():
+        fallback = "int4" if cls.kind == "int4-amx" else "int8"
+        raise InvalidRequestError(f"--quant {cls.kind} needs {cls.requires}; use --quant {fallback} here")

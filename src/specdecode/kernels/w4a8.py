@@ -1,7 +1,7 @@
 """W4A8: int4 weights x int8 activations, the arithmetic of llama.cpp's Q4_K x Q8_K, as a C++ extension.
 
-torch's int4 kernel dequantizes to bf16 and grows with k (0.69 ms for 1 row of the 1.5B's 8960x1536
-projection, 2.27 ms for 9 on our Xeon), so a 9-row verify step costs three plain steps. Integer dot
+torch's int4 kernel dequantizes to bf16 and grows with k (`specdecode doctor` times both), so a 9-row verify step
+costs several plain steps. Integer dot
 products (AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`) are cheap enough that k <= 8 rows cost little more
 than streaming the weights once. The layout and the exact arithmetic are in `w4a8.cpp`; `reference_mm`
 computes the same float operations in the same order with torch, which the tests compare with
@@ -21,12 +21,14 @@ The extension (with the decode ops: `build.cpu_extension`) is compiled on first 
 
 from __future__ import annotations
 
+from operator import itemgetter
 from types import ModuleType
 from typing import NamedTuple, Union
 
 import torch
 
 from specdecode.kernels.build import cpu_extension
+from specdecode.models.linear import Linear
 
 BLOCK = 32  # inputs per weight scale (and per activation scale on the per-block arithmetic)
 PAIR = 64  # two blocks: the unit the kernel packs and multiplies
@@ -306,3 +308,90 @@ def w4a8_mm(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None,
     if x.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES:
         return kernel(x, *weights, bias, dtype)
     return kernel(x.float(), *weights, bias).to(dtype)  # e.g. float16: the float32 sum plus bias, cast here
+
+
+class W4A8Linear(Linear):
+    """int4 weights (symmetric, blocks of 32 with int8 sub-scales of a float per 256) x int8 activations (per
+    token): integer dot products in our C++ kernel, so that a verify step of k <= 8 rows costs about what one row
+    does."""
+
+    kind = "w4a8"
+    help = "our C++ int4 x int8 kernel, row-invariant on AVX2 and AVX-512; the lm_head then w6a8"
+    bits = 4
+    requires = "a CPU with AVX2 and FMA (AVX-512 VNNI faster) and a C++ compiler"
+    head = "w6a8"
+    pack = staticmethod(quantize_weight)
+    Weights = Int4Weights
+    _take = staticmethod(itemgetter(*Weights._fields))  # the buffers (or saved tensors) that make its Weights
+
+    @property
+    def row_invariant(self) -> bool:  # the C++ kernel is; its pure-torch stand-in is not promised to be
+        return extension() is not None
+
+    def __init__(self, weights: Weights, in_features: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(weights.packed.shape[0], in_features, bias, dtype)
+        if isinstance(weights, Int4Weights):  # the float block scales only where this CPU's kernel reads them
+            weights = for_this_kernel(weights)
+        for name, tensor in weights._asdict().items():  # see Int4Weights / Int8Weights
+            self.register_buffer(name, tensor)
+        self.register_buffer("width", torch.tensor(in_features))  # the padding hides it: kept to rebuild the layer
+
+    @property
+    def weights(self) -> Weights:  # read at every call: a few hundred times per step
+        return self.Weights._make(self._take(self._buffers))
+
+    @classmethod
+    def available(cls) -> bool:
+        return extension() is not None
+
+    @classmethod
+    def bytes_per_weight(cls) -> float:
+        if cls.Weights is Int4Weights and uses_super_blocks():
+            return 0.5 + 16 / 256  # a float, an int32 and 8 int8 sub-scales per 256
+        return cls.bits / 8 + 4 / BLOCK  # + a float scale per block
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 0) -> W4A8Linear:
+        return cls(cls.pack(weight), weight.shape[1], bias, weight.dtype)
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], group: int, dtype: torch.dtype) -> W4A8Linear:
+        return cls(cls.Weights._make(cls._take(tensors)), int(tensors["width"]), tensors.get("bias"), dtype)
+
+    def kernel_name(self) -> str:
+        ext = extension()
+        return f"{type(self).__name__}({ext.simd_path()})" if ext is not None else type(self).__name__
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.weights, self.in_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return w4a8_mm(rows, self.weights, dtype=rows.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the shape, bias and cast in the kernel: one call per layer
+        return w4a8_mm(x, self.weights, self.bias, x.dtype)
+
+
+class W8A8Linear(W4A8Linear):
+    """int8 weights (symmetric, blocks of 32, as llama.cpp's Q8_0) x int8 activations in the same kernel: wider than
+    w4a8 blocks and row-invariant like them."""
+
+    kind = "w8a8"
+    help = "int8 weights x int8, same kernel"
+    bits = 8
+    pack = staticmethod(quantize_weight8)
+    Weights = Int8Weights
+    _take = staticmethod(itemgetter(*Weights._fields))
+
+
+class W6A8Linear(W4A8Linear):
+    """6-bit weights (symmetric, blocks of 32) x int8 activations, W8A8's arithmetic on 7 bits per weight instead of
+    9: a w4a8 target's lm_head, wider than its blocks (as llama.cpp's Q4_K_M keeps a 6-bit output layer)."""
+
+    kind = "w6a8"
+    help = "6-bit weights x int8, same kernel"
+    bits = 6
+    pack = staticmethod(quantize_weight6)
+    Weights = Int6Weights
+    _take = staticmethod(itemgetter(*Weights._fields))

@@ -1,6 +1,6 @@
 """Choose the fastest linear kernel on this CPU by measuring it once; the answer is cached per CPU and torch.
 
-Which kernel wins depends on the CPU (shared/CPU.md): on an AMX Xeon bf16 `W @ x.T` is flat up to 16 rows
+Which kernel wins depends on the CPU (docs/kernels.md): on an AMX Xeon bf16 `W @ x.T` is flat up to 16 rows
 while torch's int4 kernel costs half as much for one row and three times as much for nine; on an
 AVX2-only CPU torch's int8 kernel is slower than fp32. So `--quant auto` (and the draft's default) asks.
 """
@@ -19,7 +19,7 @@ import torch
 
 from specdecode.cpu import cpu_info
 from specdecode.models.catalog import cache_dir, write_atomic
-from specdecode.models.linear import QUANTS, Linear, kernel_available, make_linear
+from specdecode.models.linear import Linear, kernel_available, kernels, make_linear
 
 SCHEMA = 2  # bump when what is measured changes: older cached answers are then ignored (2: kernels on all threads)
 MARGIN = 1.1  # a quantized kernel is chosen only if it is this much faster than the dense one
@@ -59,13 +59,13 @@ def time_rows(layers: list[Linear], rows: int, repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] = QUANTS) -> str:
+def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] | None = None) -> str:
     """The quantization whose kernel is fastest for `rows`-row matmuls here (measured once, then cached).
 
     A quantized kernel must beat the dense one by MARGIN: it costs acceptance (for a draft) or quality.
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
     """
-    usable = [q for q in candidates if kernel_available(q)]
+    usable = [q for q in candidates or kernels() if kernel_available(q)]
     return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}",
                           {q: lambda q=q: time_rows(streamed_layers(dtype, q), rows) for q in usable}, "none")
 
@@ -74,7 +74,7 @@ def fastest_dtype(rows: int) -> str:
     """'bfloat16' where a dense bf16 matmul of `rows` rows is faster by MARGIN than a float32 one, else 'float32'.
 
     Measured, not guessed from flags: on AMX Xeons bf16 is flat in k and 2-4x faster than float32; on
-    AVX2-only CPUs bf16 is emulated, faster for 1 row but slower for 8 (shared/CPU.md).
+    AVX2-only CPUs bf16 is emulated, faster for 1 row but slower for 8 (docs/kernels.md).
     """
     return _cached_choice(f"dtype|{rows} rows", {d: lambda d=d: time_rows(streamed_layers(getattr(torch, d), "none"),
                                                                           rows) for d in ("float32", "bfloat16")},

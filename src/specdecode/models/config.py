@@ -15,9 +15,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-
-
 class UnsupportedArchitectureError(ModelLoadError):
     """Raised for a checkpoint whose architecture the runtime does not implement."""
 
@@ -44,7 +41,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        arch = SUPPORTED_ARCHITECTURES.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type", ""))
+        if archs:
+            arch = SUPPORTED_ARCHITECTURES.get(archs[0])
+        else:  # no architectures: the model type names the family
+            arch = cfg.get("model_type") if cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values() else None
         if arch is None:
             name = archs[0] if archs else cfg.get("model_type", "<missing>")
             raise UnsupportedArchitectureError(

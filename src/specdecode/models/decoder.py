@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from specdecode.kernels import decode_ops
+from specdecode.kernels.w4a8 import W4A8Linear
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import (DenseLinear, Linear, W4A8Linear, invariant_rows, make_linear, parse_quant,
-                                      restore_linear)
+from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, parse_quant, restore_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 FUSED_MAX_ROWS = 16  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
@@ -313,8 +313,7 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, num_logits: int | None = None,
-                return_hidden: bool = False, rows: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run T new tokens per sequence and return their logits.
 
         tokens: [B, T] ids; start: [B] cache length of each sequence before this step (its new
@@ -324,7 +323,7 @@ class Transformer(nn.Module):
         are then start + depth). num_logits: only the last n rows get logits (prefill needs 1).
         Inputs may live on the CPU whatever the model's device; the outputs are on the CPU (the engine
         drafts and verifies there).
-        Returns logits [B, n, V] float32, and the final hidden states [B, n, D] if asked.
+        Returns logits [B, n, V] float32.
         """
         B, T = tokens.shape
         W = self.decode_width
@@ -332,11 +331,9 @@ class Transformer(nn.Module):
             rows = None  # the first B rows: attention slices the cache instead of gathering it
         if W is not None and T <= W and B > self.max_group:  # bit-exact decode batch: groups of invariant size
             groups = [slice(i, i + self.max_group) for i in range(0, B, self.max_group)]
-            outs = [self.forward(tokens[g], start[g], cache, None if tree_mask is None else tree_mask[g], num_logits,
-                                 return_hidden, torch.arange(B)[g] if rows is None else rows[g]) for g in groups]
-            if return_hidden:
-                return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
-            return torch.cat(outs)
+            return torch.cat([self.forward(tokens[g], start[g], cache, None if tree_mask is None else tree_mask[g],
+                                           num_logits, torch.arange(B)[g] if rows is None else rows[g])
+                              for g in groups])
         fused = self.fused_ops and max(T, W or 0) <= FUSED_MAX_ROWS
         if W is not None and T < W and not (fused and self.rows_independent):  # bit-exact: pad to exactly W rows
             tokens = torch.cat([tokens, tokens.new_zeros(B, W - T)], dim=1)
@@ -372,26 +369,22 @@ class Transformer(nn.Module):
             x = block(x, i, cache, step)
         n = T if num_logits is None else min(num_logits, T)
         if n == 0:  # a prefill that only fills the cache: no lm_head
-            empty = torch.zeros(B, 0, self.lm_head.out_features)
-            return (empty, x[:, :0].cpu()) if return_hidden else empty
-        logits, h = self._head(x, T, n, fused)
-        logits, h = logits.cpu(), h.cpu()
-        return (logits, h) if return_hidden else logits
+            return torch.zeros(B, 0, self.lm_head.out_features)
+        return self._head(x, T, n, fused).cpu()
 
-    def _head(self, x: torch.Tensor, T: int, n: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final norm and lm_head for the last n of the T real rows of x [B, Tp, D] -> (logits float32, h)."""
+    def _head(self, x: torch.Tensor, T: int, n: int, fused: bool) -> torch.Tensor:
+        """Final norm and lm_head for the last n of the T real rows of x [B, Tp, D] -> logits float32."""
         W, eps = self.decode_width, self.config.rms_norm_eps
         if fused:  # row-invariant norm; a head that is not gets its fixed shape of W rows in bit-exact mode
             h = decode_ops.rms_norm(x[:, T - n:T], self.norm, eps)
             if W is not None and T <= W and not self.lm_head.row_invariant:
                 rows = torch.cat([h, h.new_zeros(h.shape[0], W - n, h.shape[-1])], dim=1)
-                return self.lm_head(rows)[:, :n].float(), h
-            return self.lm_head(h).float(), h
+                return self.lm_head(rows)[:, :n].float()
+            return self.lm_head(h).float()
         if x.shape[1] == W:  # padded: keep the fixed shape through lm_head, then drop padding rows
             h = rms_norm(x, self.norm, eps)
-            return self.lm_head(h).float()[:, T - n:T], h[:, T - n:T]
-        h = rms_norm(x[:, T - n:], self.norm, eps)
-        return self.lm_head(h).float(), h
+            return self.lm_head(h).float()[:, T - n:T]
+        return self.lm_head(rms_norm(x[:, T - n:], self.norm, eps)).float()
 
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position below n: [>= n, hd] float32. Built in chunks of ROPE_CHUNK positions

@@ -1,15 +1,9 @@
 """Continuous batching: each step drafts for every active sequence and verifies them all in one target forward.
 
-Sequences occupy rows ("slots") of one preallocated KV cache. A step:
-  1. drops cancelled requests and admits waiting ones into free slots (prefill, one at a time);
-  2. drafts up to each sequence's gamma tokens, for all sequences in shared draft forwards (ragged lengths);
-  3. runs one target forward over [B, 1 + max draft] tokens (shorter drafts padded; padding rows
-     write cache slots past their sequence, which no real token ever sees);
-  4. verifies each sequence on its own rows, commits, and frees the slots of finished sequences.
-
-Bit-exact mode stays bit-exact here: every sequence gets the decode width's rows, and each linear
-splits the batch's rows into chunks this CPU computes row-invariantly (`Transformer.enable_batching`),
-so a sequence's logits do not depend on which others share the step.
+Sequences occupy rows ("slots") of one preallocated KV cache. A step drops cancelled requests, admits waiting ones
+into free slots (prefill, one at a time), runs `step.decode_step` over every active sequence (the step a lone request
+runs too), delivers each sequence's events and frees the slots of finished sequences. Each sequence chooses its own
+draft lengths from its own acceptance and the timings the server's steps measure.
 """
 
 from __future__ import annotations
@@ -21,17 +15,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-import torch
-
-from specdecode.drafting.base import Draft, DraftRequest
-from specdecode.engine import GenerationResult, SequenceState, SpeculativeGenerator, TokenEvent
-from specdecode.errors import SpecDecodeError
+from specdecode.builder import build_generator
+from specdecode.draft_lengths import CostModel
+from specdecode.engine import SpeculativeGenerator
+from specdecode.errors import InvalidRequestError, SpecDecodeError
+from specdecode.sequence import GenerationResult, SequenceState, TokenEvent
+from specdecode.step import decode_step
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Event = TokenEvent | GenerationResult | Exception  # an Exception ends the request with an error
 
 
@@ -121,76 +114,25 @@ class Scheduler:
                     self._finish(req, [exc])
 
     def step(self) -> None:
-        """One engine step over every active sequence (admitting waiting ones first)."""
+        """One decode step over every active sequence (admitting waiting ones first)."""
         self._admit()
-        batch = list(self.active.values())
-        if not batch:
+        requests = {req.seq: req for req in self.active.values()}
+        if not requests:
             return
-        t0 = time.perf_counter()
-        batch, proposed = self._each_alone_on_error(batch, self._draft, "drafting")
-        drafts = dict(zip(batch, proposed))
-        t1 = time.perf_counter()
-        batch, logits = self._each_alone_on_error(batch, lambda reqs: self._forward(reqs, drafts), "the target forward")
-        forward_seconds = time.perf_counter() - t1
-        if not batch:
+        done = decode_step(self.target, self.cache, self.drafter, list(requests),
+                           on_error=lambda seq, exc: self._finish(requests[seq], [exc]))
+        if not done:
             return
         self.steps += 1
-        self.sequence_steps += len(batch)
+        self.sequence_steps += len(done)
         if self.on_step is not None:
-            self.on_step(len(batch))
-        for req, seq_logits in zip(batch, logits):
-            seq, draft = req.seq, drafts[req]
-            try:  # one sequence's failure (e.g. a degenerate distribution) must not fail the others
-                events = seq.accept(seq_logits.unsqueeze(0), draft)
-            except Exception as exc:
-                log.exception("verification failed for one sequence")
-                self._finish(req, [exc])
-                continue
-            seq.stats.draft_seconds += t1 - t0  # each sequence waited for the whole batch's drafting
-            seq.stats.verify_seconds += forward_seconds
+            self.on_step(len(done))
+        for seq, events in done:
+            req = requests[seq]
             for event in events:
                 req.emit(event)
             if seq.finish is not None:
                 self._finish(req, seq.close())
-
-    def _draft(self, batch: list[Request]) -> list[Draft]:
-        return self.drafter.propose_batch([DraftRequest(r.slot, r.seq.ids, r.seq.draft_len(), r.seq.params,
-                                                        r.seq.generator) for r in batch])
-
-    def _forward(self, batch: list[Request], drafts: dict[Request, Draft]) -> list[torch.Tensor]:
-        """The target's logits [1 + g, V] of each sequence after [last, draft...], from one forward."""
-        width = 1 + max(len(drafts[r].tokens) for r in batch)
-        tokens = torch.tensor([[r.seq.ids[-1]] + drafts[r].tokens + [0] * (width - 1 - len(drafts[r].tokens))
-                               for r in batch])  # [B, width]
-        start = torch.tensor([len(r.seq.ids) - 1 for r in batch])
-        rows = torch.tensor([r.slot for r in batch])
-        logits = self.target(tokens, start, self.cache, rows=rows)  # [B, width, V]
-        return [logits[b, :len(drafts[r].tokens) + 1] for b, r in enumerate(batch)]
-
-    def _each_alone_on_error(self, batch: list[Request], run: Callable[[list[Request]], list[T]],
-                             what: str) -> tuple[list[Request], list[T]]:
-        """`run(batch)` (one result per request); if it raises, `run([req])` for each request alone, so that an
-        error one sequence causes fails that sequence only. Returns the requests that went through and their
-        results. A sequence gives the same bits alone or batched (`Transformer.enable_batching`)."""
-        try:
-            return batch, run(batch)
-        except Exception as exc:
-            if len(batch) == 1:  # already alone: running it again would repeat the failing work
-                log.exception("%s failed for one sequence", what)
-                self._finish(batch[0], [exc])
-                return [], []
-            log.warning("%s failed for a batch of %d; running each sequence alone", what, len(batch))
-        kept: list[Request] = []
-        results: list[T] = []
-        for req in batch:
-            try:
-                results += run([req])
-            except Exception as exc:
-                log.exception("%s failed for one sequence", what)
-                self._finish(req, [exc])
-                continue
-            kept.append(req)
-        return kept, results
 
     def _admit(self) -> None:
         with self._cond:
@@ -213,9 +155,12 @@ class Scheduler:
                 self._finish(req, [exc])
 
     def _prefill(self, req: Request) -> None:
-        """The cache row gets all but the last context token; each step feeds [last, draft...]."""
+        """The cache row gets all but the last context token; each step feeds [last, draft...]. The sequence's draft
+        lengths learn from its own acceptance and the server's timings."""
         self.drafter.reset(req.slot)
-        req.seq.prefill(self.target, self.cache, req.slot)
+        req.seq.row = req.slot
+        req.seq.lengths.costs = CostModel(self.gen.costs.timings)
+        req.seq.prefill(self.target, self.cache)
 
     def _finish(self, req: Request, events: list[Event]) -> None:
         """Free the slot first (a client that resubmits at once finds it free), then deliver the last events."""
@@ -232,3 +177,12 @@ class Scheduler:
             self.free.append(req.slot)
             self.free.sort()
         req.slot = None
+
+
+def build_scheduler(target, *, max_batch: int = 8, max_queue: int = 64, on_step: Callable[[int], None] | None = None,
+                    **generator_args) -> Scheduler:
+    """A continuous-batching scheduler for the server (`builder.build_generator`'s arguments): its drafter keeps one
+    row per batch slot."""
+    if max_batch < 1 or max_queue < 0:
+        raise InvalidRequestError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+    return Scheduler(build_generator(target, **generator_args, batch=max_batch), max_batch, max_queue, on_step)
