@@ -70,9 +70,10 @@ class CostModel:
     def start_sequence(self) -> None:
         self.drafted_last = False
 
-    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
-        """One step: its forward's width and seconds, the tokens drafted and accepted, the seconds drafting took."""
-        steady = drafted and self.drafted_last  # no catching up on the context
+    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float | None) -> None:
+        """One step: its forward's width and seconds, the tokens drafted and accepted, the seconds drafting took
+        (None: the step's drafting also did other work, such as another sequence catching up on its context)."""
+        steady = drafted and self.drafted_last and draft_s is not None  # no catching up on the context
         self.timings.observe(width, forward_s, draft_s / drafted if steady else None)
         self.drafted_tokens += drafted
         if drafted:
@@ -150,6 +151,6 @@ class DraftLengths:
         self.gamma = self.gamma if chosen is None else chosen
         return min(self.gamma, room)
 
-    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float) -> None:
+    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float | None) -> None:
         self.costs.observe(width, forward_s, drafted, accepted, draft_s)
         self.gamma = self.schedule.next(self.gamma, drafted, accepted)

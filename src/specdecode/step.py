@@ -42,8 +42,10 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
     batch, logits = _each_alone_on_error(batch, lambda seqs: _forward(target, cache, seqs, drafts),
                                          "the target forward", on_error)
     t2 = time.perf_counter()
-    # the draft model runs one shared forward per drafted position: the batch's seconds per token are its draft's
-    longest = max((len(d.tokens) for d in proposed), default=0)
+    # the draft model runs one shared forward per drafted position: the batch's seconds per token are its draft's,
+    # unless a sequence that skipped drafting last step (a new one, or after a plain step) caught up on its context
+    longest = max((len(drafts[seq].tokens) for seq in batch), default=0)
+    steady = all(seq.lengths.costs.drafted_last for seq in batch if drafts[seq].tokens)
     width = 1 + longest
     done = []
     for seq, seq_logits in zip(batch, logits):
@@ -60,7 +62,7 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
         seq.stats.verify_seconds += t2 - t1
         drafted = len(draft.tokens)
         seq.lengths.observe(width, t2 - t1, drafted, seq.stats.accepted_tokens - accepted_before,
-                            (t1 - t0) * drafted / longest if longest else 0.0)
+                            (t1 - t0) * drafted / longest if steady and longest else None)
         done.append((seq, events))
     return done
 
