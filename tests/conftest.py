@@ -124,13 +124,23 @@ def use_cpu_build(mp: pytest.MonkeyPatch, ext) -> None:
     mp.setattr(decode_ops, "extension", lambda: ext)
 
 
-@pytest.fixture(params=["native", "avx512-emulated"])
+@pytest.fixture(params=["native", "avx2", "avx512-emulated"])
 def cpu_build(request, monkeypatch):
-    """Runs a test on this CPU's build of our CPU extension, then on its AVX-512 paths, emulated."""
+    """Runs a test on this CPU's build of our CPU extension, on its AVX2 paths (built without AVX-512 where this CPU
+    has it), then on its AVX-512 paths, emulated: every ISA's instantiation of the kernels runs on any x86 CPU."""
     if request.param == "native":
         if decode_ops.extension() is None:
             pytest.skip("needs a CPU with AVX-512 or AVX2 + FMA, and g++")
         return decode_ops.extension()
+    if request.param == "avx2":
+        from specdecode.cpu import cpu_info
+
+        if "avx512f" not in cpu_info()[1]:
+            pytest.skip("the native build is the AVX2 one here")
+        ext = cpu_extension(("-mno-avx512f",))
+        assert ext is not None and ext.simd_path() == "avx2", "the AVX2 build failed (see the warning)"
+        use_cpu_build(monkeypatch, ext)
+        return ext
     ext = emulated_avx512_build()
     use_cpu_build(monkeypatch, ext)
     return ext
