@@ -80,6 +80,7 @@ def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from specdecode.builder import build_generator, check_drafting, load_target
+    from specdecode.models.decoder import Block
     from specdecode.verification.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.coupling)  # fail before the slow load
@@ -103,7 +104,9 @@ def _generate(args: argparse.Namespace) -> int:
     assert result is not None
     out = result.to_dict()
     model = target.model
-    out["target"] = {"dtype": str(model.dtype).removeprefix("torch."), "quant": model.blocks[0].down.quant,
+    block = model.blocks[0]
+    assert isinstance(block, Block)
+    out["target"] = {"dtype": str(model.dtype).removeprefix("torch."), "quant": block.down.quant,
                      "lm_head": model.lm_head.quant, "decode_ops": model.fused_ops, "padding": _padding(model)}
     if args.compare_plain:
         plain = build_generator(target, drafter="none")
@@ -138,11 +141,13 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from specdecode.models.catalog import CATALOG, cache_dir
+    from specdecode.models.catalog import CATALOG
+    from specdecode.paths import cache_dir
 
     for name, entry in CATALOG.items():
         path = cache_dir() / entry.filename
         print(f"{name:32s} {'pulled' if path.exists() else 'not pulled':10s} {entry.description}")
+        print(f"{'':32s} {'':10s} source {entry.source} (GGUF: {entry.gguf_source}), licence {entry.license}")
     return 0
 
 
@@ -267,7 +272,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from specdecode.bench.doctor import diagnose
-    from specdecode.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
+    from specdecode.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdecode.paths import cache_dir
     from specdecode.models.gguf_loader import read_gguf_config
 
     models = {name: read_gguf_config(cache_dir() / CATALOG[name].filename) for name in (DEFAULT_TARGET, DEFAULT_DRAFT)

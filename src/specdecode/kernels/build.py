@@ -24,6 +24,9 @@ from types import ModuleType
 
 import torch
 
+from specdecode.cpu import cpu_info
+from specdecode.paths import cache_dir
+
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused multiply-adds: see the sources
 KERNELS = Path(__file__).parent
 # one library: layer.cpp calls into the other two (cpu_ops.h) and binds them all
@@ -44,9 +47,6 @@ def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (), h
     """`sources` compiled into one extension (into `<cache dir>/kernels/`), or None with a warning that says what
     runs `without` it. Rebuilt when a source or header, this CPU's flags, the compiler flags or torch change."""
     from torch.utils import cpp_extension
-
-    from specdecode.cpu import cpu_info
-    from specdecode.models.catalog import cache_dir
 
     code = b"".join(path.read_bytes() for path in (*sources, *headers))
     key = hashlib.sha256(code + " ".join(sorted(cpu_info()[1]) + list(FLAGS + isa_flags)).encode()

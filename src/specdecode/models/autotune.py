@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specdecode.cpu import cpu_info
-from specdecode.models.catalog import cache_dir, write_atomic
+from specdecode.paths import cache_dir, write_atomic
 from specdecode.models.linear import Linear, kernel_available, kernels, make_linear
 
 SCHEMA = 2  # bump when what is measured changes: older cached answers are then ignored (2: kernels on all threads)
@@ -66,8 +66,8 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] | N
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
     """
     usable = [q for q in candidates or kernels() if kernel_available(q)]
-    return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}",
-                          {q: lambda q=q: time_rows(streamed_layers(dtype, q), rows) for q in usable}, "none")
+    return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}", {q: _timer(dtype, q, rows) for q in usable},
+                          "none")
 
 
 def fastest_dtype(rows: int) -> str:
@@ -76,9 +76,13 @@ def fastest_dtype(rows: int) -> str:
     Measured, not guessed from flags: on AMX Xeons bf16 is flat in k and 2-4x faster than float32; on
     AVX2-only CPUs bf16 is emulated, faster for 1 row but slower for 8 (docs/kernels.md).
     """
-    return _cached_choice(f"dtype|{rows} rows", {d: lambda d=d: time_rows(streamed_layers(getattr(torch, d), "none"),
-                                                                          rows) for d in ("float32", "bfloat16")},
-                          "float32")
+    return _cached_choice(f"dtype|{rows} rows",
+                          {d: _timer(getattr(torch, d), "none", rows) for d in ("float32", "bfloat16")}, "float32")
+
+
+def _timer(dtype: torch.dtype, quant: str, rows: int) -> Callable[[], float]:
+    """`time_rows` of `quant` layers in `dtype`, made when called (only the timers a cache miss runs build layers)."""
+    return lambda: time_rows(streamed_layers(dtype, quant), rows)
 
 
 def _cached_choice(question: str, timers: dict[str, Callable[[], float]], default: str) -> str:

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from specdecode.models.catalog import cache_dir, file_sha256, write_atomic
+from specdecode.paths import cache_dir, file_sha256, write_atomic
 from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Transformer
 from specdecode.models.linear import DenseLinear, Linear
