@@ -10,7 +10,7 @@ from pathlib import Path
 @cache
 def cpu_info() -> tuple[str, frozenset[str]]:
     """(model name, flags)."""
-    name, flags = "", frozenset()
+    name, flags = "", frozenset[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -73,8 +73,8 @@ class CostModel:
     def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float | None) -> None:
         """One step: its forward's width and seconds, the tokens drafted and accepted, the seconds drafting took
         (None: the step's drafting also did other work, such as another sequence catching up on its context)."""
-        steady = drafted and self.drafted_last and draft_s is not None  # no catching up on the context
-        self.timings.observe(width, forward_s, draft_s / drafted if steady else None)
+        steady = drafted and self.drafted_last  # and draft_s is not None: no catching up on the context
+        self.timings.observe(width, forward_s, draft_s / drafted if steady and draft_s is not None else None)
         self.drafted_tokens += drafted
         if drafted:
             d = self.decay if self.probe_step else self.acceptance_decay

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 from jinja2 import TemplateError
@@ -11,7 +12,7 @@ from jinja2 import TemplateError
 from specdecode.draft_lengths import CostModel, DraftLengths, GammaSchedule
 from specdecode.drafting.base import Drafter
 from specdecode.errors import InvalidRequestError
-from specdecode.models.decoder import Transformer
+from specdecode.models.decoder import KVCache, Transformer
 from specdecode.sequence import GenerationResult, SequenceState, TokenEvent
 from specdecode.step import decode_step
 from specdecode.verification.sampling import SamplingParams
@@ -56,7 +57,8 @@ class SpeculativeGenerator:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.cache = None  # allocated once, reused by every request (rollback makes stale slots harmless)
+        # allocated once, reused by every request (rollback makes stale slots harmless)
+        self.cache: KVCache | None = None
         self.costs = CostModel()  # measured by every request: what chosen draft lengths are chosen by
 
     def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
@@ -73,7 +75,7 @@ class SpeculativeGenerator:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
             self._check_text(prompt)
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        ids = [int(t) for t in cast("Sequence[int]", prompt)]  # a list of messages returned above
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.target.config.vocab_size

@@ -86,7 +86,7 @@ def floor_ms(cfg: ModelConfig, dtype: str, quant: str, bandwidth_gbs: float) -> 
 def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfig] | None = None,
              repeats: int = 5) -> dict:
     """Everything `specdecode doctor` prints, as one JSON-able dict."""
-    timed = []
+    timed: list[dict] = []
     for dtype, quant in configs():
         if not kernel_available(quant):  # timing w4a8's pure-torch fallback would say nothing
             timed.append({"name": quant, "dtype": dtype, "quant": quant,

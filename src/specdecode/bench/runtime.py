@@ -131,7 +131,7 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
     ks = ks or [1, 2, 4, 8, 16]
     print(f"CPU: {cpu_name()} | torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{torch.get_num_threads()} threads | context {context} | median of {repeats}")
-    engines = [("specdecode bit-exact", VERIFY_WIDTH)] if bit_exact else []
+    engines: list[tuple[str, int | None]] = [("specdecode bit-exact", VERIFY_WIDTH)] if bit_exact else []
     engines.append(("specdecode", None))
     runs = [(name, width, dtype, quant) for dtype in dtypes for quant in quants or ["none"] for name, width in engines]
     if with_hf:

@@ -33,7 +33,9 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, usage, spec = None, {}, {}
+    ttft = None
+    usage: dict = {}  # the last chunk's that has them
+    spec: dict = {}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")

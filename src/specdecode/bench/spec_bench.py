@@ -229,7 +229,7 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
 
     import torch
 
-    from specdecode.bench.methods import build_methods, parse_methods
+    from specdecode.bench.methods import EngineMethod, build_methods, parse_methods
     from specdecode.bench.runtime import cpu_name
     from specdecode.verification.sampling import SamplingParams
 
@@ -257,6 +257,7 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
               "max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
               "bit_exact": bit_exact, "coupling": coupling}
     (out / "run.json").write_text(json.dumps({"config": config, "machine": machine}, indent=2))
+    assert isinstance(built[0], EngineMethod)  # parse_methods puts our plain decoding first
     reference = built[0].generator  # our plain decoding: its tokenizer and chat template encode every prompt
     run(questions, built, lambda p: reference.encode(p, chat=True), sorted(reference.eos_ids),
         max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, out=out, progress=progress)

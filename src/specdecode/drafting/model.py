@@ -58,6 +58,7 @@ class ModelDrafter(Drafter):
         live = drafting
         while live := [r for r in live if len(self.cached[r.row]) + len(feeds[r.row]) < self.max_len]:
             logits = self._forward([r.row for r in live], [feeds[r.row] for r in live])  # [B', V_target]
+            assert logits is not None  # asked for
             still = []
             for r, row_logits in zip(live, logits):
                 tok, q, confidence = self._choose(row_logits, r, position=len(r.context) + len(tokens[r.row]))
@@ -79,6 +80,8 @@ class ModelDrafter(Drafter):
             return tok, None, float(torch.softmax(logits, -1)[tok]) if self.min_confidence else 1.0
         q = processed_probs(logits, r.params)
         if r.params.gumbel:  # the noise the target will use here; verification needs no q
+            if r.params.seed is None:
+                raise ValueError("Gumbel coupling needs a seed (SpeculativeGenerator.prepare fixes one)")
             tok = int(noisy_scores(q, gumbel_noise(r.params.seed, [position], len(q))).argmax())
             return tok, None, float(q[tok])
         tok = sample(q, r.generator)

@@ -26,14 +26,21 @@ def extension() -> ModuleType | None:
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # what rope_attention takes
 
 
+def _ops() -> ModuleType:
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("the C++ decode ops do not run on this CPU; the decoder uses PyTorch's ops there")
+    return ext
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] float32 or bfloat16 -> the same shape and dtype."""
-    return extension().rms_norm(x.contiguous(), weight, eps)
+    return _ops().rms_norm(x.contiguous(), weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] (gate then up) -> SiLU(gate) * up [..., I]."""
-    return extension().silu_mul(gate_up.contiguous())
+    return _ops().silu_mul(gate_up.contiguous())
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -45,7 +52,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     qkv: [B, T, (heads + 2 kv_heads) * hd]; cos, sin: [B, T, hd] float32; k_cache, v_cache: [batch, kv_heads,
     capacity, hd] (one layer's, written in place); rows: [B]; slots: [B, T]; mask: [B, T, K <= capacity] bool.
     Returns [B, T, heads * hd] in qkv's dtype."""
-    return extension().rope_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
+    return _ops().rope_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
                                       rows.contiguous(), slots.contiguous(), mask.contiguous(), heads, kv_heads)
 
 
@@ -57,5 +64,5 @@ def w4a8_layer(x: torch.Tensor, attn_norm: torch.Tensor, mlp_norm: torch.Tensor,
     ops above and the linears in the order `decoder.Block` runs them, so the same bits without the interpreter
     between them. x [B, T, D] and the step's tensors must be contiguous (the C++ checks; nothing is copied here);
     the other arguments as `rms_norm` and `rope_attention` take them."""
-    return extension().w4a8_layer(x, attn_norm, mlp_norm, eps, qkv, qkv_bias, o, gate_up, down, cos, sin, k_cache,
+    return _ops().w4a8_layer(x, attn_norm, mlp_norm, eps, qkv, qkv_bias, o, gate_up, down, cos, sin, k_cache,
                                   v_cache, rows, slots, mask, heads, kv_heads)

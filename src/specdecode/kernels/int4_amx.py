@@ -142,6 +142,8 @@ class Int4AmxLinear(Linear):
     requires = "a CPU with AMX-BF16 (Sapphire Rapids or later) and a C++ compiler"
     head = "int8-amx"
     row_invariant = True
+    packed: torch.Tensor  # buffers (register_buffer)
+    scale_zero: torch.Tensor
 
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, out_features: int,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -195,6 +197,8 @@ class Int8AmxLinear(Linear):
     bits = 8
     requires = Int4AmxLinear.requires
     row_invariant = True
+    packed: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:

@@ -16,6 +16,8 @@ class Int8Linear(Linear):
     kind = "int8"
     help = "per output channel; torch's kernel"
     bits = 8
+    q: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(q.shape[0], q.shape[1], bias, scale.dtype)
@@ -72,6 +74,8 @@ class Int4Linear(Linear):
     help = "asymmetric groups, bf16 scales; torch's kernel"
     bits = 4
     group_sizes = INT4_GROUP_SIZES
+    packed: torch.Tensor  # buffers (register_buffer)
+    scale_zero: torch.Tensor
 
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:

@@ -87,6 +87,7 @@ class Int6Weights(NamedTuple):
 
 
 Weights = Union[Int4Weights, Int6Weights, Int8Weights]
+AnyWeights = Weights  # the name `Weights` means a layer's own class inside W4A8Linear
 KERNEL_OF = {Int4Weights: "w4a8_mm", Int6Weights: "w6a8_mm", Int8Weights: "w8a8_mm"}  # the extension's function
 
 
@@ -143,12 +144,13 @@ def quantize_weight(weight: torch.Tensor) -> Int4Weights:
         scale = (d_ * sub).unsqueeze(-1)  # float32, as the kernel's per-block scale
         q = torch.where(scale != 0, torch.round(w / scale), 0).clamp(-8, 7)
         err = ((q * scale - w) ** 2).sum(-1)  # [N, S, 8]
-        if best_err is None:
+        if best_q is None or best_sub is None or best_err is None:  # the first candidate
             best_q, best_sub, best_err = q, sub, err
         else:
             better = err < best_err
             best_q = torch.where(better.unsqueeze(-1), q, best_q)
             best_sub, best_err = torch.where(better, sub, best_sub), torch.minimum(err, best_err)
+    assert best_q is not None and best_sub is not None  # set by the loop's first candidate
     corr = 128 * (best_sub.long() * best_q.sum(-1).long()).sum(-1)  # [N, S], exact (|.| < 2^26)
     q = best_q.view(N, -1)[:, :Kp]
     u = (q + 8).to(torch.uint8).view(N, -1, PAIR)[..., ELEMENT_OF]  # [N, pairs, 64] in register order
@@ -239,7 +241,8 @@ def reference_mm(x: torch.Tensor, weights: Weights, lanes: int = 8, rows_per_chu
     out = []
     for rows in range(0, weights.packed.shape[0], rows_per_chunk):
         part = type(weights)(*(t[rows:rows + rows_per_chunk] for t in weights))
-        acc = (_super_block_lanes if super_blocks else _block_lanes)(*activations, part, lanes)
+        acc = (_super_block_lanes(*activations, part, lanes) if super_blocks and isinstance(part, Int4Weights)
+               else _block_lanes(*activations, part, lanes))
         total = acc[..., 0]
         for i in range(1, lanes):
             total = total + acc[..., i]
@@ -320,15 +323,15 @@ class W4A8Linear(Linear):
     bits = 4
     requires = "a CPU with AVX2 and FMA (AVX-512 VNNI faster) and a C++ compiler"
     head = "w6a8"
-    pack = staticmethod(quantize_weight)
-    Weights = Int4Weights
+    pack: staticmethod[[torch.Tensor], AnyWeights] = staticmethod(quantize_weight)
+    Weights: type[AnyWeights] = Int4Weights
     _take = staticmethod(itemgetter(*Weights._fields))  # the buffers (or saved tensors) that make its Weights
 
     @property
     def row_invariant(self) -> bool:  # the C++ kernel is; its pure-torch stand-in is not promised to be
         return extension() is not None
 
-    def __init__(self, weights: Weights, in_features: int, bias: torch.Tensor | None,
+    def __init__(self, weights: AnyWeights, in_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__(weights.packed.shape[0], in_features, bias, dtype)
         if isinstance(weights, Int4Weights):  # the float block scales only where this CPU's kernel reads them
@@ -338,7 +341,7 @@ class W4A8Linear(Linear):
         self.register_buffer("width", torch.tensor(in_features))  # the padding hides it: kept to rebuild the layer
 
     @property
-    def weights(self) -> Weights:  # read at every call: a few hundred times per step
+    def weights(self) -> AnyWeights:  # read at every call: a few hundred times per step
         return self.Weights._make(self._take(self._buffers))
 
     @classmethod

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specdecode.kernels import decode_ops
-from specdecode.kernels.w4a8 import W4A8Linear
+from specdecode.kernels.w4a8 import W4A8Linear, Weights
 from specdecode.models.config import ModelConfig
 from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, parse_quant, restore_linear
 
@@ -128,18 +128,22 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if step.fused and self.one_call:  # the ops below and the linears in one C++ call (kernels/layer.cpp)
-            return decode_ops.w4a8_layer(x, self.attn_norm, self.mlp_norm, cfg.rms_norm_eps, self.qkv.weights,
-                                         self.qkv.bias, self.o.weights, self.gate_up.weights, self.down.weights,
-                                         step.cos, step.sin, cache.k[layer], cache.v[layer], step.rows, step.slots,
-                                         step.mask, H, KVH)
-        if step.fused:  # the same layer in three row-invariant C++ ops (kernels/decode_ops.cpp)
+        if step.fused:  # its rows and mask are tensors (see StepInputs)
+            rows, mask = step.rows, step.mask
+            assert rows is not None and isinstance(mask, torch.Tensor)
+            if self.one_call:  # the ops below and the linears in one C++ call (kernels/layer.cpp)
+                return decode_ops.w4a8_layer(x, self.attn_norm, self.mlp_norm, cfg.rms_norm_eps, _weights(self.qkv),
+                                             self.qkv.bias, _weights(self.o), _weights(self.gate_up),
+                                             _weights(self.down), step.cos, step.sin, cache.k[layer], cache.v[layer],
+                                             rows, step.slots, mask, H, KVH)
+            # the same layer in three row-invariant C++ ops (kernels/decode_ops.cpp)
             attn = decode_ops.rope_attention(self.qkv(decode_ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps)),
-                                             step.cos, step.sin, cache.k[layer], cache.v[layer], step.rows,
-                                             step.slots, step.mask, H, KVH)
+                                             step.cos, step.sin, cache.k[layer], cache.v[layer], rows,
+                                             step.slots, mask, H, KVH)
             x = x + self.o(attn)
             return x + self.down(decode_ops.silu_mul(self.gate_up(decode_ops.rms_norm(x, self.mlp_norm,
                                                                                         cfg.rms_norm_eps))))
+        assert isinstance(step.mask, list)  # a mask per cache block (see StepInputs)
         qkv = self.qkv(rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
         q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
@@ -154,6 +158,11 @@ class Block(nn.Module):
         x = x + self.o(attn.transpose(1, 2).reshape(B, T, H * hd))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
+
+
+def _weights(lin: Linear) -> Weights:
+    assert isinstance(lin, W4A8Linear)  # Block.one_call
+    return lin.weights
 
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None,
@@ -189,6 +198,8 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 class Transformer(nn.Module):
     """The decoder stack plus embeddings and lm_head. Build it with `Transformer.from_state_dict`."""
+
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, blocks: list[Block], norm: torch.Tensor,
                  lm_head: Linear, decode_width: int | None = None) -> None:
@@ -246,8 +257,8 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+            biases = [b for n in "qkv" if (b := maybe(p + f"self_attn.{n}_proj.bias")) is not None]
+            qkv_b = torch.cat(biases) if len(biases) == 3 else None
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             blocks.append(Block(cfg, linear(qkv_w, qkv_b), linear(take(p + "self_attn.o_proj.weight")),
                                 linear(gate_up), linear(take(p + "mlp.down_proj.weight")),
@@ -304,8 +315,10 @@ class Transformer(nn.Module):
             return 1
         measured: dict[tuple, int] = {}
         for lin in self.modules():
-            key = (type(lin), lin.out_features, lin.in_features, lin.dtype) if isinstance(lin, Linear) else None
-            if key is not None and key not in measured:
+            if not isinstance(lin, Linear):
+                continue
+            key = (type(lin), lin.out_features, lin.in_features, lin.dtype)
+            if key not in measured:
                 measured[key] = invariant_rows(lin, self.decode_width, max_batch)
         self.max_group = min(measured.values(), default=max_batch)
         return self.max_group

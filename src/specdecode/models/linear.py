@@ -30,7 +30,6 @@ class Linear(nn.Module):
     group_sizes: ClassVar[tuple[int, ...]] = ()  # the `-gG` choices, the first the default; () for none
     requires: ClassVar[str] = "any CPU"  # what it needs to run at its speed
     head: ClassVar[str] = "none"  # a target's lm_head beside blocks of this kind: wider, as llama.cpp's Q4_K_M
-    row_invariant = False  # True: each output row is computed the same way whatever the number of rows
     group = 0  # inputs per scale, for kinds with group sizes
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -42,6 +41,10 @@ class Linear(nn.Module):
         super().__init_subclass__(**kwargs)
         if "kind" in cls.__dict__:
             _REGISTERED[cls.kind] = cls
+
+    @property
+    def row_invariant(self) -> bool:  # True: each output row is computed the same way whatever the number of rows
+        return False  # a kernel that always is says `row_invariant = True`; one that depends, a property
 
     @property
     def quant(self) -> str:

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 
 import uvicorn
@@ -58,7 +58,7 @@ class _ASCIIJSONResponse(JSONResponse):
 
 
 def _error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                    headers: dict[str, str] | None = None) -> JSONResponse:
+                    headers: Mapping[str, str] | None = None) -> JSONResponse:
     return _ASCIIJSONResponse(error_body(message, ERROR_KINDS.get(status, "invalid_request_error"), param, code),
                               status_code=status, headers=headers)
 
@@ -361,7 +361,8 @@ class _Reply:
                 await asyncio.sleep(DISCONNECT_POLL_SECONDS)
 
         watcher = asyncio.create_task(disconnected())
-        getter, result = None, None
+        getter = None
+        result: GenerationResult | Exception | None = None  # an Exception: it failed (raised below)
         try:
             while result is None:
                 getter = asyncio.ensure_future(events.get())
@@ -382,6 +383,7 @@ class _Reply:
                 getter.cancel()
             if result is None:  # disconnected, or this handler was cancelled
                 cancel()
+        assert isinstance(result, GenerationResult)  # the loop ends on one; an Exception raised above
         if self.kind == "chat.completion":
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "logprobs": None, "finish_reason": result.finish_reason}

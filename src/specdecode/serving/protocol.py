@@ -8,7 +8,7 @@ extensions (the `openai` client sends them through `extra_body`).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
@@ -89,7 +89,7 @@ class CompletionRequest(_Sampling):
             v = v[0]
         if not v:
             raise ValueError("the prompt is empty")
-        return v
+        return cast("str | list[int]", v)  # a list of strings was replaced by its one string above
 
 
 class TextPart(_Strict):

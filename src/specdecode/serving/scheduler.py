@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdecode.builder import build_generator
@@ -157,12 +157,13 @@ class Scheduler:
     def _prefill(self, req: Request) -> None:
         """The cache row gets all but the last context token; each step feeds [last, draft...]. The sequence's draft
         lengths learn from its own acceptance and the server's timings."""
+        assert req.slot is not None  # given by _admit
         self.drafter.reset(req.slot)
         req.seq.row = req.slot
         req.seq.lengths.costs = CostModel(self.gen.costs.timings)
         req.seq.prefill(self.target, self.cache)
 
-    def _finish(self, req: Request, events: list[Event]) -> None:
+    def _finish(self, req: Request, events: Sequence[Event]) -> None:
         """Free the slot first (a client that resubmits at once finds it free), then deliver the last events."""
         with self._cond:
             self._release(req)

@@ -19,6 +19,8 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.
     if params.greedy:
         n, nxt = verify_greedy(logits, draft_tokens)
     elif params.gumbel:  # the target's noisy argmax at positions position .. position + g
+        if params.seed is None:
+            raise ValueError("Gumbel coupling needs a seed (SpeculativeGenerator.prepare fixes one)")
         noise = gumbel_noise(params.seed, range(position, position + logits.shape[1]), logits.shape[-1])
         n, nxt = verify_greedy(noisy_scores(processed_probs(logits, params), noise), draft_tokens)
     else:  # q: draft probs; p: target probs
