@@ -65,17 +65,19 @@ def perturbed(model, scale: float, seed: int):
     return other
 
 
-REAL_AUTOTUNE = (autotune.fastest_quant, autotune.fastest_dtype)
+REAL_AUTOTUNE = (autotune.fastest_quant, autotune.fastest_dtype, autotune.dtype_choice)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_caches(tmp_path_factory):
     """Fast tests never time kernels nor write the user's caches: 'auto' quantization means none and 'auto'
-    dtype float32 here, and packed weights of the tiny models go to a folder of the test session."""
+    dtype float32 here (whatever the CPU's class), and packed weights of the tiny models go to a folder of the test
+    session."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDECODE_PACKED_CACHE", str(tmp_path_factory.mktemp("packed")))
         mp.setattr(autotune, "fastest_quant", lambda *args, **kwargs: "none")
         mp.setattr(autotune, "fastest_dtype", lambda *args, **kwargs: "float32")
+        mp.setattr(autotune, "dtype_choice", lambda *args, **kwargs: ("float32", "tests"))
         yield
 
 
@@ -86,6 +88,7 @@ def _real_caches_for_real_tests(request, monkeypatch):
     if "real_autotune" in request.keywords or "slow" in request.keywords:
         monkeypatch.setattr(autotune, "fastest_quant", REAL_AUTOTUNE[0])
         monkeypatch.setattr(autotune, "fastest_dtype", REAL_AUTOTUNE[1])
+        monkeypatch.setattr(autotune, "dtype_choice", REAL_AUTOTUNE[2])
     if "slow" in request.keywords:
         monkeypatch.delenv("SPECDECODE_PACKED_CACHE")
 

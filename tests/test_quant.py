@@ -171,20 +171,24 @@ def test_quantized_forward_is_invariant_to_the_step_width(quantized_pair):
     assert _invariance_mismatches(quantized_pair[0].model) == 0
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_quantized_greedy_speculative_equals_plain(quantized_pair, drafter):
-    target, draft, _ = quantized_pair
+def assert_greedy_speculative_equals_plain(target, draft, drafter: str, gammas=(1, 4, 8), prompts: int = 12) -> None:
+    """Greedy output of `drafter` at each length (None: chosen per step) is plain decoding's, with drafts accepted."""
     plain = build_generator(target, drafter="none")
-    prompts = random_prompts(12, 64, seed=5)
-    expected = [plain.generate(p, max_new_tokens=20, eos_ids=[]).token_ids for p in prompts]
+    cases = random_prompts(prompts, 64, seed=5)
+    expected = [plain.generate(p, max_new_tokens=20, eos_ids=[]).token_ids for p in cases]
     accepted = 0
-    for gamma in (1, 4, 8):
+    for gamma in gammas:
         spec = build_generator(target, draft=draft, drafter=drafter, gamma=gamma)
-        for p, e in zip(prompts, expected):
+        for p, e in zip(cases, expected):
             r = spec.generate(p, max_new_tokens=20, eos_ids=[])
             assert r.token_ids == e
             accepted += r.stats.accepted_tokens
     assert accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_quantized_greedy_speculative_equals_plain(quantized_pair, drafter):
+    assert_greedy_speculative_equals_plain(*quantized_pair[:2], drafter)
 
 
 def test_a_reduced_draft_vocabulary_keeps_greedy_output(tiny_pair):
@@ -243,10 +247,13 @@ def test_autotune_measures_once_caches_and_survives_bad_caches(tmp_path, monkeyp
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(autotune, "STREAM_BYTES", 2**20)  # a quick, cache-resident measurement will do here
+    monkeypatch.setattr(autotune, "NOISE", float("inf"))  # and its microseconds are noisy: trusted here
     calls = []
     real = autotune.time_rows
     monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: calls.append(1) or real(layers, rows, 1))
-    n = sum(autotune.kernel_available(q) for q in autotune.kernels())  # our C++ kernels only where they build
+    # our C++ kernels only where they build; the native kinds run files' blocks and are not candidates
+    n = autotune.ROUNDS * sum(autotune.kernel_available(q) and not autotune.kernel(q).native
+                              for q in autotune.kernels())
     choice = autotune.fastest_quant(torch.bfloat16, 1)
     assert choice in autotune.kernels() and len(calls) == n
     assert autotune.fastest_quant(torch.bfloat16, 1) == choice and len(calls) == n  # cached
@@ -263,23 +270,68 @@ def test_autotune_measures_once_caches_and_survives_bad_caches(tmp_path, monkeyp
     assert autotune.fastest_quant(torch.float32, 2) == "none"  # only the dense kernel ran
 
 
+FLAGS = {"amx": frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+         "avx512": frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "avx2": frozenset({"avx2", "fma"})}
+
+
 @pytest.mark.real_autotune
-def test_auto_dtype_is_measured_once_and_only_for_cpus(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cls", ["amx", "avx512", "avx2"])
+def test_the_dtype_follows_the_cpu_class_and_is_measured_only_on_avx512(tmp_path, monkeypatch, cls):
     from specdecode.builder import resolve_dtype
     from specdecode.models import autotune
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(autotune, "STREAM_BYTES", 2**20)
+    monkeypatch.setattr(autotune, "cpu_info", lambda: ("a CPU", FLAGS[cls]))
+    monkeypatch.setattr(autotune, "streamed_layers", lambda dtype, quant, shape=None: [make_linear(
+        torch.zeros(8, 8, dtype=dtype), None, quant)])
     ms = {torch.float32: 2.0, torch.bfloat16: 1.0}
     calls = []
     monkeypatch.setattr(autotune, "time_rows",
                         lambda layers, rows, repeats=5: calls.append(rows) or ms[layers[0].dtype])
-    assert resolve_dtype("auto", 9) == "bfloat16" and calls == [9, 9]
-    assert resolve_dtype("auto", 9) == "bfloat16" and calls == [9, 9]  # cached
-    ms[torch.bfloat16] = 1.95  # not faster by the margin: float32 stays
-    assert resolve_dtype("auto", 1) == "float32" and calls == [9, 9, 1, 1]
+    assert autotune.cpu_class() == cls
+    expected = {"amx": "bfloat16", "avx2": "float32", "avx512": "bfloat16"}[cls]
+    assert resolve_dtype("auto", 9) == expected and resolve_dtype("auto", 9) == expected
+    assert calls == ([9] * 2 * autotune.ROUNDS if cls == "avx512" else [])  # measured once, then cached
+    ms[torch.bfloat16] = 1.95  # not faster by the margin: float32
+    assert resolve_dtype("auto", 1) == ("float32" if cls != "amx" else "bfloat16")
     assert resolve_dtype("float32", 9) == "float32" and resolve_dtype("auto", 9, "cuda") == "bfloat16"
-    assert len(calls) == 4  # neither measured
+    assert "AMX" in autotune.dtype_choice(9)[1] if cls == "amx" else "measured" in autotune.dtype_choice(9)[1] \
+        if cls == "avx512" else "AVX-512" in autotune.dtype_choice(9)[1]
+
+
+@pytest.mark.real_autotune
+def test_a_noisy_measurement_is_used_but_not_cached_and_retune_forgets(tmp_path, monkeypatch):
+    from specdecode.models import autotune
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "cpu_info", lambda: ("a CPU", FLAGS["avx512"]))
+    monkeypatch.setattr(autotune, "streamed_layers", lambda dtype, quant, shape=None: [make_linear(
+        torch.zeros(8, 8, dtype=dtype), None, quant)])
+    busy = iter([2.0, 5.0, 2.1, 1.0, 1.0, 1.0])  # float32's rounds disagree: someone else was running
+    monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: next(busy))
+    with pytest.warns(UserWarning, match="busy"):
+        assert autotune.fastest_dtype(9) == "bfloat16"  # 1.0 * 1.1 < 2.0: used now
+    assert not (tmp_path / "autotune.json").exists() or "dtype" not in (tmp_path / "autotune.json").read_text()
+    quiet = iter([2.0, 2.05, 2.02, 1.0, 1.01, 1.0])
+    monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: next(quiet))
+    assert autotune.fastest_dtype(9) == "bfloat16"
+    assert "bfloat16" in (tmp_path / "autotune.json").read_text()
+    assert autotune.forget() == 1 and autotune.forget() == 0
+
+
+def test_file_precision_runs_native_kernels_by_capability(tmp_path, monkeypatch):
+    from specdecode import builder
+    from specdecode.kernels.gguf_amx import GgufLinear
+    from tests.gguf_files import Q4_K_M, write_model
+
+    gguf_file = str(write_model(tmp_path / "m.gguf", Q4_K_M))
+    monkeypatch.setattr(GgufLinear, "available", classmethod(lambda cls: True))
+    assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file) == "gguf"
+    assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file, device="cuda") == "none"
+    assert builder.resolve_quant("int8", "bfloat16", 9, source=gguf_file) == "int8"
+    monkeypatch.setattr(GgufLinear, "available", classmethod(lambda cls: False))  # no AMX here
+    assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file) == "none"
+    assert builder.resolve_quant("file", "bfloat16", 1, source=gguf_file, fallback="auto") == "none"  # measured
 
 
 def test_an_empty_draft_vocabulary_is_refused_even_with_a_cached_model(tiny_pair):

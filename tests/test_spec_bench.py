@@ -78,7 +78,7 @@ def test_method_names_and_baselines():
         parse_methods(["ngram", "ngram"], "float32")
     # --quant: our methods that name no quantization take it, the reference plain too; peers keep their own
     specs = parse_methods(["ngram", "llama-cpp", "model:none"], "bfloat16", "w4a8")
-    assert specs[0] == MethodSpec("plain", "bfloat16", "w4a8") and MethodSpec("llama-cpp", "bfloat16") in specs
+    assert specs[0] == MethodSpec("plain", "bfloat16", "w4a8") and MethodSpec("llama-cpp", "bfloat16", "none") in specs
     assert [s.name("bfloat16", "w4a8") for s in specs] == ["plain", "llama-cpp", "plain:none", "ngram", "model:none"]
 
 

@@ -10,26 +10,37 @@ from specdecode.drafting.base import Drafter, DraftingSetup
 from specdecode.engine import DEFAULT_MAX_CONTEXT, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
 from specdecode.models.catalog import DEFAULT_DRAFT
-from specdecode.models.linear import kernel
-from specdecode.models.loading import LoadedModel, load_model, parse_dtype
+from specdecode.models.linear import kernel, kernels
+from specdecode.models.loading import LoadedModel, is_gguf, load_model, parse_dtype
 
 VERIFY_WIDTH = MAX_GAMMA + 1  # rows of every target decode forward in bit-exact mode
 
 
 def resolve_dtype(dtype: str, rows: int, device: str = "cpu") -> str:
-    """'auto': bfloat16 where its matmuls of `rows` rows are clearly faster here (measured once, cached), else
-    float32. The dtype is part of the target model: plain and speculative decoding use the same one."""
+    """'auto': by this CPU's class (autotune.dtype_choice: bfloat16 with AMX, float32 without AVX-512, measured on
+    the others). The dtype is part of the target model: plain and speculative decoding use the same one."""
     if dtype != "auto":
         return dtype
     if torch.device(device).type != "cpu":
         return "bfloat16"
-    from specdecode.models.autotune import fastest_dtype
+    from specdecode.models.autotune import dtype_choice
 
-    return fastest_dtype(rows)
+    return dtype_choice(rows)[0]
 
 
-def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu") -> str:
-    """'auto': the fastest kernel on this CPU for matmuls of `rows` rows (measured once and cached)."""
+def native_kind() -> str | None:
+    """The kernel that runs a GGUF file's blocks as stored on this CPU (`Linear.native`), if one does."""
+    return next((kind for kind, cls in kernels().items() if cls.native and cls.available()), None)
+
+
+def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source: str | None = None,
+                  fallback: str = "none") -> str:
+    """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel; where
+    there is none (safetensors, or no native kernel for this CPU) `fallback`. 'auto': the fastest kernel on this
+    CPU for matmuls of `rows` rows (measured once and cached)."""
+    if quant == "file":
+        native = native_kind() if torch.device(device).type == "cpu" and source and is_gguf(source) else None
+        quant = native or fallback
     if quant != "auto":
         return quant
     if torch.device(device).type != "cpu":  # the quantized kernels are torch's CPU ones
@@ -40,12 +51,13 @@ def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu") -> str
 
 
 def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
-                quant: str = "none") -> LoadedModel:
-    """dtype 'auto': the faster of float32 and bfloat16 here for a step's rows. quant 'auto' picks the fastest
-    kernel for a verify step (and so changes the target's outputs: opt-in)."""
+                quant: str = "file") -> LoadedModel:
+    """dtype 'auto': chosen for this CPU (resolve_dtype). quant 'file': the model as its file defines it (a GGUF
+    file's blocks as stored where a native kernel runs here, else dense in `dtype`); other kernels re-quantize,
+    and so change the target's outputs: opt-in ('auto' picks the fastest for a verify step)."""
     rows = VERIFY_WIDTH if bit_exact else 1  # a bit-exact step always has the verify width
     dtype = resolve_dtype(dtype, rows, device)
-    quant = resolve_quant(quant, dtype, VERIFY_WIDTH, device)
+    quant = resolve_quant(quant, dtype, VERIFY_WIDTH, device, target)
     return load_model(target, dtype=dtype, device=device, decode_width=VERIFY_WIDTH if bit_exact else None,
                       quant=quant, head_quant=target_head_quant(quant))
 
@@ -57,13 +69,14 @@ def target_head_quant(quant: str) -> str:
     return kernel(quant).head
 
 
-def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "auto",
+def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "file",
                batch: int = 1, vocab: int | None = None) -> LoadedModel:
-    """The draft's precision never changes the output, so by default it gets whatever drafts fastest here.
+    """The draft's precision never changes the output: by default its file's own (as the target's), and where no
+    native kernel runs it here, whatever drafts fastest ('auto').
     vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
     only needs q at the proposed tokens and q = 0 elsewhere)."""
     dtype = resolve_dtype(dtype, batch, device)
-    quant = resolve_quant(quant, dtype, batch, device)  # the head too: a third of the 0.5B's weights
+    quant = resolve_quant(quant, dtype, batch, device, draft, fallback="auto")  # the head too: a third of the 0.5B
     return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=quant)
 
 
@@ -87,15 +100,16 @@ def check_drafting(drafter: str, gamma: int | None) -> None:
 
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
                     gamma: int | None = None, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
-                    max_context: int | None = None, quant: str = "none", draft_quant: str = "auto",
+                    max_context: int | None = None, quant: str = "file", draft_quant: str = "file",
                     draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and draft lengths.
 
     gamma: a fixed draft length, 1..8. By default the drafters that can (drafting.registry(): model, ngram) choose
     each step's length (0 included) from the measured costs and acceptance (draft_lengths.CostModel); the others
-    draft their own default length. quant / draft_quant: weight-only quantization of the target / the draft when
-    they are loaded here ("auto": fastest here). draft_vocab: the draft proposes only token ids below it (see
-    load_draft). batch: sequences drafted for at once (serving.scheduler.build_scheduler)."""
+    draft their own default length. quant / draft_quant: the target's / the draft's kernels when they are loaded
+    here ("file": the file's own precision, see load_target and load_draft; "auto": fastest here). draft_vocab: the
+    draft proposes only token ids below it (see load_draft). batch: sequences drafted for at once
+    (serving.scheduler.build_scheduler)."""
     check_drafting(drafter, gamma)
     spec = drafter_spec(drafter)
     chooses_lengths = gamma is None and spec.chooses_lengths

@@ -35,8 +35,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "draft their own fixed length: " + ", ".join(f"{name} {spec.gamma}" for name, spec in drafters.items()
                                                       if not spec.chooses_lengths and spec.name != "none") + ")"))
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto (default): bfloat16 where its matmuls are clearly faster on this CPU (measured once, "
-                        "cached), else float32")
+                   help="the activations' dtype. auto (default): by this CPU's class: bfloat16 with AMX, float32 "
+                        "without AVX-512, measured on other AVX-512 CPUs (`specdecode doctor` says which and why)")
     _add_quant_args(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-bit-exact", dest="bit_exact", action="store_false",
@@ -59,12 +59,14 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
     choices = "; ".join(f"{kind}{'-gG' if cls.group_sizes else ''} ({cls.help}"
                         + (f"; needs {cls.requires}" if cls.requires != "any CPU" else "") + ")"
                         for kind, cls in kernels().items())
-    p.add_argument("--quant", default="none", metavar="Q",
-                   help=f"weight-only quantization of the target's linears (default none): {choices}; or auto (the "
-                        "fastest kernel on this CPU). Quantizing the target changes its outputs")
-    p.add_argument("--draft-quant", default="auto", metavar="Q",
-                   help="the draft's quantization, same choices; default auto: the draft's precision never changes "
-                        "the output, only how often its tokens are accepted")
+    p.add_argument("--quant", default="file", metavar="Q",
+                   help="the target's linears. file (default): the model as its file stores it: a GGUF file's blocks "
+                        "run as stored where this CPU has a native kernel (gguf), else dense in --dtype. Or "
+                        f"re-quantize (changes the target's outputs): {choices}; or auto (the fastest kernel here)")
+    p.add_argument("--draft-quant", default="file", metavar="Q",
+                   help="the draft's linears, same choices; default file, and where no native kernel runs the draft's "
+                        "file here, auto: the draft's precision never changes the output, only how often its tokens "
+                        "are accepted")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft proposes only the first N token ids (a smaller, faster lm_head; lossless)")
 
@@ -106,8 +108,13 @@ def _generate(args: argparse.Namespace) -> int:
     model = target.model
     block = model.blocks[0]
     assert isinstance(block, Block)
+    from specdecode.models.autotune import cpu_class
+    from specdecode.models.linear import Linear
+
+    kernel_names = sorted({m.kernel_name() for m in model.modules() if isinstance(m, Linear)})
     out["target"] = {"dtype": str(model.dtype).removeprefix("torch."), "quant": block.down.quant,
-                     "lm_head": model.lm_head.quant, "decode_ops": model.fused_ops, "padding": _padding(model)}
+                     "lm_head": model.lm_head.quant, "kernels": kernel_names, "cpu_class": cpu_class(),
+                     "decode_ops": model.fused_ops, "padding": _padding(model)}
     if args.compare_plain:
         plain = build_generator(target, drafter="none")
         base = plain.generate(args.prompt, **request)
@@ -121,8 +128,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"\n[{s.new_tokens} tokens in {s.total_seconds:.2f}s, {s.tokens_per_second:.2f} tok/s | "
               f"{s.target_forward_passes} target passes, mean accepted length {s.mean_accepted_length:.2f}, "
               f"acceptance {s.acceptance_rate:.1%} | draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s | "
-              f"finish: {result.finish_reason} | target in {out['target']['dtype']}, {out['target']['quant']} "
-              f"linears, {out['target']['lm_head']} lm_head, {'C++' if model.fused_ops else 'PyTorch'} decode ops, "
+              f"finish: {result.finish_reason} | {out['target']['cpu_class']} CPU: target in "
+              f"{out['target']['dtype']}, {out['target']['quant']} linears, {out['target']['lm_head']} lm_head "
+              f"({', '.join(kernel_names)}), {'C++' if model.fused_ops else 'PyTorch'} decode ops, "
               f"bit-exact padding: {out['target']['padding']}]", file=sys.stderr)
         if args.compare_plain:
             p = out["plain"]
@@ -278,6 +286,10 @@ def _doctor(args: argparse.Namespace) -> int:
 
     models = {name: read_gguf_config(cache_dir() / CATALOG[name].filename) for name in (DEFAULT_TARGET, DEFAULT_DRAFT)
               if (cache_dir() / CATALOG[name].filename).exists()}
+    if args.retune:
+        from specdecode.models.autotune import forget
+
+        print(f"forgot {forget()} cached measurements of this CPU; measuring again", file=sys.stderr)
     report = diagnose(tuple(args.shape), models, repeats=args.repeats)
     if args.json:
         print(json.dumps(report))
@@ -304,11 +316,13 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"\nfloor for {name} (weights / bandwidth), ms per token: "
               + ", ".join(f"{c} {v}" for c, v in floors.items()))
     c = report["chosen"]
-    print(f"\nchosen: target in {c['target']['dtype']} (what --dtype auto picks for a 9-row verify step; the target "
-          f"stays unquantized unless you ask with --quant, since that changes its outputs; --quant auto would take "
-          f"{c['target']['quant_auto']}); draft in "
-          f"{c['draft']['dtype']}, {c['draft']['quant']} (what --draft-quant auto picks for one row; the draft's "
-          f"precision never changes the output)")
+    native = (f"{c['native']}: a GGUF file's blocks run as stored" if c["native"]
+              else "none for this CPU class yet: GGUF files are dequantized to the dtype")
+    print(f"\nCPU class: {report['cpu_class']}; dtype {c['target']['dtype']} ({c['why_dtype']}); native kernel: "
+          f"{native}")
+    print(f"chosen by default (--quant file): target {c['target']['dtype']}/{c['target']['quant']} (the model as its "
+          f"file defines it; --quant auto would re-quantize to {c['target']['quant_auto']}), draft "
+          f"{c['draft']['dtype']}/{c['draft']['quant']} (the draft's precision never changes the output)")
     return 0
 
 
@@ -360,12 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default=DEFAULT_TARGET)
     b.add_argument("--draft", default=DEFAULT_DRAFT)
     b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "model:g4"], metavar="METHOD",
-                   help=f"any of {', '.join(our_kinds() + PEERS)}, optionally :gG (ours), :float32 / :bfloat16 and a "
-                        "target quantization :int8 / :int4 / :w4a8 ...")
+                   help=f"any of {', '.join(our_kinds() + PEERS)}, optionally :gG (ours), :float32 / :bfloat16 and the "
+                        "target's kernels :none / :gguf / :int8 / :int4 / :w4a8 ...")
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    b.add_argument("--quant", default="none", metavar="Q",
-                   help="the target quantization of our methods that name none (the reference `plain` included), e.g. "
-                        "w4a8 where the unquantized plain reference would take hours (AVX2 CPUs)")
+    b.add_argument("--quant", default="file", metavar="Q",
+                   help="the target's kernels for our methods that name none (the reference `plain` included); "
+                        "default file, as `generate` (a GGUF file's blocks as stored where a native kernel runs "
+                        "here); e.g. w4a8 where the dense plain reference would take hours (AVX2 CPUs)")
     b.add_argument("--gamma", type=int, default=None,
                    help="a fixed draft length, 1..8, for our drafting methods that name none (default: each "
                         "drafter's own, chosen each step where it can)")
@@ -430,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], metavar=("OUT", "IN"),
                     help="the projection to time (default: the 1.5B's MLP up projection)")
     dr.add_argument("--repeats", type=int, default=5)
+    dr.add_argument("--retune", action="store_true",
+                    help="forget this CPU's cached measurements (dtype on AVX-512, --quant auto) and measure again")
     dr.set_defaults(func=_doctor)
 
     qq = sub.add_parser("quant-quality", help="greedy agreement and log-likelihood of quantized targets vs unquantized")

@@ -1,8 +1,9 @@
 """`specdecode doctor`: what this CPU offers, how fast each linear kernel is here, and whether it is bit-exact.
 
 The CPUs we run on differ (AVX2-only Zen 3, AVX-512 Zen 5, AMX Xeons) and so does the fastest kernel
-(docs/kernels.md). The doctor measures instead of guessing: ms for k = 1..16 rows through one projection
-per (dtype, quant), the invariance of each kernel, memory bandwidth and the resulting floor per model.
+(docs/kernels.md). The doctor measures: ms for k = 1..16 rows through one projection per (dtype, quant), the
+invariance of each kernel, memory bandwidth and the resulting floor per model; and it says what the defaults
+choose on this CPU and why (models/autotune.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import time
 import torch
 
 from specdecode.bench.runtime import cpu_name
-from specdecode.builder import VERIFY_WIDTH
+from specdecode.builder import VERIFY_WIDTH, native_kind
 from specdecode.cpu import cpu_info
 from specdecode.kernels import decode_ops
 from specdecode.models.config import ModelConfig
-from specdecode.models.autotune import fastest_dtype, fastest_quant, streamed_layers, time_rows
+from specdecode.models.autotune import cpu_class, dtype_choice, fastest_quant, streamed_layers, time_rows
 from specdecode.models.linear import Linear, invariant_rows, kernel, kernel_available, kernels
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -108,12 +109,16 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
     bandwidth = memory_bandwidth_gbs()
     floors = {name: {f"{d}/{q}": round(floor_ms(cfg, d, q, bandwidth), 1) for d, q in configs()}
               for name, cfg in (models or {}).items()}
-    # what --dtype auto and --draft-quant auto pick: a bit-exact verify step has 9 rows, a draft step 1
-    target_dtype, draft_dtype = fastest_dtype(VERIFY_WIDTH), fastest_dtype(1)
+    # what the defaults pick: a bit-exact verify step has 9 rows, a draft step 1
+    (target_dtype, dtype_why), (draft_dtype, _) = dtype_choice(VERIFY_WIDTH), dtype_choice(1)
+    native = native_kind()
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": timed, "bandwidth_gbs": round(bandwidth, 1),
             "floor_ms_per_token": floors, "decode_ops": decode_ops.extension() is not None,
-            "chosen": {"target": {"dtype": target_dtype, "quant": "none",
+            "cpu_class": cpu_class(),
+            "chosen": {"why_dtype": dtype_why, "native": native,
+                       "target": {"dtype": target_dtype, "quant": native or "none",
                                   "quant_auto": fastest_quant(getattr(torch, target_dtype), VERIFY_WIDTH)},
-                       "draft": {"dtype": draft_dtype, "quant": fastest_quant(getattr(torch, draft_dtype), 1)}}}
+                       "draft": {"dtype": draft_dtype,
+                                 "quant": native or fastest_quant(getattr(torch, draft_dtype), 1)}}}

@@ -18,7 +18,7 @@ from specdecode.builder import build_generator, check_drafting, load_draft, load
 from specdecode.drafting import registry
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError
-from specdecode.models.linear import parse_quant
+from specdecode.models.linear import parse_quant, quant_choices
 from specdecode.models.loading import DTYPES, LoadedModel
 
 PEERS = ("hf-plain", "hf-assisted", "hf-prompt-lookup", "llama-cpp", "llama-cpp-prompt-lookup")
@@ -39,11 +39,11 @@ def _drafter(kind: str) -> str:
 class MethodSpec:
     kind: str
     dtype: str
-    quant: str = "none"
+    quant: str = "file"  # the target's kernels (builder.load_target); peers always "none": they run their own
     gamma: int | None = None  # a fixed draft length (our drafting methods only)
 
     @classmethod
-    def parse(cls, text: str, default_dtype: str, default_quant: str = "none") -> MethodSpec:
+    def parse(cls, text: str, default_dtype: str, default_quant: str = "file") -> MethodSpec:
         kind, *options = text.split(":")
         ours = our_kinds()
         if kind not in ours + PEERS:
@@ -59,17 +59,18 @@ class MethodSpec:
                 check_drafting(kind, gamma)
             else:
                 try:
-                    parse_quant(option)
+                    if option not in ("file", "auto"):
+                        parse_quant(option)
                 except InvalidRequestError:
                     raise InvalidRequestError(f"{option!r} in method {text!r} is neither a dtype "
-                                              f"({', '.join(DTYPES)}) nor a quantization (none, int8, int4[-gG], "
-                                              "int4-amx[-gG], int8-amx, w4a8, w6a8, w8a8)") from None
+                                              f"({', '.join(DTYPES)}) nor the target's kernels (file, auto, "
+                                              f"{quant_choices()})") from None
                 quant = option
         if quant != "none" and kind not in ours:
             raise InvalidRequestError(f"{text!r}: peers run their own weights; quantization applies to our methods")
         return cls(kind, dtype, quant, gamma)
 
-    def name(self, default_dtype: str, default_quant: str = "none") -> str:
+    def name(self, default_dtype: str, default_quant: str = "file") -> str:
         quant = self.quant != (default_quant if self.kind in our_kinds() else "none")
         return ":".join([self.kind] + [f"g{self.gamma}"] * (self.gamma is not None)
                         + [self.dtype] * (self.dtype != default_dtype) + [self.quant] * quant)
@@ -93,7 +94,7 @@ class EngineMethod:
                          s.accepted_by_position, s.draft_seconds)
 
 
-def parse_methods(names: list[str], default_dtype: str, default_quant: str = "none") -> list[MethodSpec]:
+def parse_methods(names: list[str], default_dtype: str, default_quant: str = "file") -> list[MethodSpec]:
     """`plain` (our plain decoding in the default dtype and quant) first: the reference; then the other plain methods
     (each method's output is checked against its own plain one, which must have run, and is added if missing), then
     the rest as given."""
@@ -109,7 +110,7 @@ def parse_methods(names: list[str], default_dtype: str, default_quant: str = "no
     return specs
 
 
-def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtype: str, default_quant: str = "none", *,
+def build_methods(specs: list[MethodSpec], target: str, draft: str, default_dtype: str, default_quant: str = "file", *,
                   gamma: int | None, bit_exact: bool = True, coupling: str = "rejection",
                   draft_vocab: int | None = None, log=print) -> list[Method]:
     """Load each (model, dtype) once; peers whose package is missing are skipped with a message.

@@ -25,7 +25,7 @@ def quant_quality(target: str, quants: list[str], *, dtype: str = "bfloat16", pr
     """For each quant: first greedy divergence from the unquantized model per prompt, and mean log-likelihood
     of the unquantized model's greedy outputs (the unquantized model's own figure is the ceiling)."""
     questions = [q.prompt for q in load_questions(DEFAULT_QUESTIONS)][:prompts]
-    reference = build_generator(load_target(target, dtype=dtype, bit_exact=False), drafter="none")
+    reference = build_generator(load_target(target, dtype=dtype, bit_exact=False, quant="none"), drafter="none")
     encoded = [reference.encode(q, chat=True) for q in questions]
     outputs = [reference.generate(ids, max_new_tokens=max_new_tokens).token_ids for ids in encoded]
     rows = {"none": {"first_divergence": [None] * len(outputs),

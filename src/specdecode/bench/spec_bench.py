@@ -217,7 +217,7 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", quant: str = "none",
+def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", quant: str = "file",
               gamma: int | None = None, draft_vocab: int | None = None,
               questions_path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
               per_category: int | None = 2, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,

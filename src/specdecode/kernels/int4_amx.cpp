@@ -21,63 +21,19 @@
 // independent of k; only the rescale (2 multiplies and 2 adds per row per group and 16 outputs) grows with
 // it. So a 9-row verify step costs about what a 1-row decode step does.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define SPECDECODE_AMX 1
-#endif
-
 namespace {
 
-constexpr int kChunk = 32;      // inputs per tile multiply
-constexpr int kChunkBytes = 256;  // packed bytes per N-tile and chunk
-constexpr int kMaxRows = 16;    // rows per tile
-constexpr int kPrefetch = 2048;  // bytes ahead in the packed weights (the hardware prefetcher alone lagged)
-
-// xs[m * G + g]: x's sum over group g, left to right in fp32
-void group_sums(const at::BFloat16* x, int64_t k, int64_t K, int64_t group, float* xs) {
-  const int64_t G = K / group;
-  at::parallel_for(0, k * G, 64, [&](int64_t begin, int64_t end) {  // each sum alone: any split is exact
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / G, g = i % G;
-      float s = 0.f;
-      for (int64_t c = g * group; c < (g + 1) * group; ++c) s = s + static_cast<float>(x[m * K + c]);
-      xs[i] = s;
-    }
-  });
-}
+using amx::group_sums, amx::kChunk, amx::kChunkBytes, amx::kMaxRows, amx::kPrefetch;
 
 #ifdef SPECDECODE_AMX
-bool amx_permitted() {  // Linux hands out AMX state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {0};
-  uint16_t colsb[16] = {0};
-  uint8_t rows[16] = {0};
-};
-
-// tiles 0, 1: activations (M rows x 32 bf16); 2, 3: weights (16 pair-rows x 16 outputs x 2); 4-7: C (M x 16 fp32)
-void configure(int M) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = (t == 2 || t == 3) ? 16 : M;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+using amx::configure, amx::store_row;
 
 inline __m512i bf16_table(int times = 1) {  // entry j: bf16 of times * ((j & 15) - 8), exact for times 1, 16
   alignas(64) uint16_t tab[32];
@@ -144,14 +100,6 @@ inline void groups(const uint8_t* w, const uint16_t* sz, const uint16_t* x, int6
   if (NG > 2) { _tile_stored(6, cbuf + 512, 64); _tile_zero(6); }
   if (NG > 3) { _tile_stored(7, cbuf + 768, 64); _tile_zero(7); }
   rescale<M, NG>(acc, cbuf, sz, xs, G, g0);
-}
-
-inline void store_row(void* out, int64_t row, int64_t ldo, __m512 acc, bool bf16_out) {
-  if (bf16_out)  // round to nearest even, as torch's .to(torch.bfloat16) (but denormals become zero)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + row * ldo),
-                        (__m256i)_mm512_cvtneps_pbh(acc));
-  else
-    _mm512_storeu_ps(static_cast<float*>(out) + row * ldo, acc);
 }
 
 // 16 outputs for M rows: w, sz point at the N-tile's packed weights and scales; x, xs, out at row 0
@@ -241,7 +189,7 @@ constexpr auto kInt8TileFns = int8_tile_fns(std::make_integer_sequence<int, kMax
 
 bool available() {
 #ifdef SPECDECODE_AMX
-  return amx_permitted();
+  return amx::permitted();
 #else
   return false;
 #endif
@@ -332,5 +280,6 @@ torch::Tensor int8_amx_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_amx_mm", &int8_amx_mm, "int8 weights (per-channel scale) x bf16 activations on AMX -> [k, N]");
   m.def("int4_amx_mm", &int4_amx_mm, "int4 weights x bf16 activations on AMX, [k, K] x [N, K]^T -> [k, N]");
+  m.def("gguf_amx_mm", &gguf_amx_mm, "a GGUF tensor's blocks x bf16 activations on AMX -> [k, N]");
   m.def("available", &available, "whether this build and this CPU can run the kernel");
 }

@@ -24,45 +24,67 @@ from specdecode.models.linear import Linear
 
 CHUNK = 32  # inputs per tile multiply
 TILE = 16  # outputs per tile
-SOURCE = Path(__file__).with_name("int4_amx.cpp")
+SOURCES = (Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("gguf_amx.cpp"))
+HEADER = Path(__file__).with_name("amx.h")
 
 
 @cache
 def extension() -> ModuleType | None:
     """The compiled kernel where this CPU can run it, else None."""
     return build_for_cpu({"amx_bf16", "amx_tile", "avx512bw"},
-                         lambda: build("int4_amx", (SOURCE,), without="int4-amx and int8-amx are unavailable"))
+                         lambda: build("amx", SOURCES, headers=(HEADER,),
+                                       without="int4-amx, int8-amx and gguf on AMX are unavailable"))
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] in 0..15, scale and zero [N, K / group] (bf16 values) -> (packed [Np / 16, K / 32, 256] uint8,
     scale_zero [Np / 16, K / group, 32] int16: the bf16 bits of 16 scales then 16 zeros); N padded to Np, a
     multiple of 16, with zero weights. The layout is described in int4_amx.cpp."""
-    N, K = q.shape
-    pad = -N % TILE
-    q = torch.nn.functional.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
+    pad = -q.shape[0] % TILE
+    u = tile_order(q, pad_value=8)
     scale, zero = (torch.nn.functional.pad(t.float(), (0, 0, 0, pad)) for t in (scale, zero))
-    Np, G = q.shape[0], scale.shape[1]
-    # [tile, n, chunk, L, i, parity] -> [tile, chunk, L, word = 2n + parity, nibble i]
-    u = (q.view(Np // TILE, TILE, K // CHUNK, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
-         .reshape(Np // TILE, K // CHUNK, 4, 32, 4))
-    words = u[..., 0] | (u[..., 1] << 4) | (u[..., 2] << 8) | (u[..., 3] << 12)
-    packed = torch.stack([words & 0xFF, words >> 8], -1).to(torch.uint8).reshape(Np // TILE, K // CHUNK, 256)
+    Np, G = q.shape[0] + pad, scale.shape[1]
     sz = torch.stack([scale.view(Np // TILE, TILE, G), zero.view(Np // TILE, TILE, G)], 1)  # [tile, 2, n, G]
     sz = sz.permute(0, 3, 1, 2).reshape(Np // TILE, G, 2 * TILE).to(torch.bfloat16).view(torch.int16)
-    return packed.contiguous(), sz.contiguous()
+    return nibble_words(u), sz.contiguous()
+
+
+def tile_order(q: torch.Tensor, pad_value: int = 0) -> torch.Tensor:
+    """q [N, K] -> [N padded / 16, K / 32, L = 4, word = 32, nibble i = 4] int32: each weight at its place in the
+    packed layout (word w of load L, nibble i: output 16 * tile + w / 2, input 32 * chunk + 2 * (4L + i) + w % 2)."""
+    N, K = q.shape
+    q = torch.nn.functional.pad(q.to(torch.int32), (0, 0, 0, -N % TILE), value=pad_value)
+    # [tile, n, chunk, L, i, parity] -> [tile, chunk, L, word = 2n + parity, nibble i]
+    return (q.view(-1, TILE, K // CHUNK, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).reshape(-1, K // CHUNK, 4, 32, 4))
+
+
+def nibble_words(u: torch.Tensor) -> torch.Tensor:
+    """`tile_order`'s values in 0..15 -> the packed bytes [N padded / 16, K / 32, 256] uint8."""
+    words = u[..., 0] | (u[..., 1] << 4) | (u[..., 2] << 8) | (u[..., 3] << 12)
+    return torch.stack([words & 0xFF, words >> 8], -1).to(torch.uint8).reshape(u.shape[0], u.shape[1], 256)
 
 
 def unpack(packed: torch.Tensor, scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `pack`: (q [Np, K] int32, scale [Np, G], zero [Np, G] float32)."""
     T, C = packed.shape[:2]
-    words = packed.view(T, C, 4, 32, 2).to(torch.int32)
-    words = words[..., 0] | (words[..., 1] << 8)
-    u = torch.stack([(words >> (4 * i)) & 0xF for i in range(4)], -1)  # [tile, chunk, L, word, i]
-    q = u.view(T, C, 4, TILE, 2, 4).permute(0, 3, 1, 2, 5, 4).reshape(T * TILE, C * CHUNK)
+    q = from_tile_order(unpack_nibbles(packed))
     sz = scale_zero.view(torch.bfloat16).float().view(T, -1, 2, TILE).permute(0, 3, 1, 2)  # [tile, n, G, 2]
     sz = sz.reshape(T * TILE, -1, 2)
     return q, sz[..., 0].contiguous(), sz[..., 1].contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `nibble_words`."""
+    T, C = packed.shape[:2]
+    words = packed.view(T, C, 4, 32, 2).to(torch.int32)
+    words = words[..., 0] | (words[..., 1] << 8)
+    return torch.stack([(words >> (4 * i)) & 0xF for i in range(4)], -1)  # [tile, chunk, L, word, i]
+
+
+def from_tile_order(u: torch.Tensor) -> torch.Tensor:
+    """The inverse of `tile_order`: [N padded, K]."""
+    T, C = u.shape[:2]
+    return u.view(T, C, 4, TILE, 2, 4).permute(0, 3, 1, 2, 5, 4).reshape(T * TILE, C * CHUNK)
 
 
 def dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> torch.Tensor:

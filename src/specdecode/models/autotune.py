@@ -1,8 +1,13 @@
-"""Choose the fastest linear kernel on this CPU by measuring it once; the answer is cached per CPU and torch.
+"""Choose the dtype and the kernels for this CPU: by its capabilities first, by measurement only where they do not
+decide, and a measurement is cached only when its repeats agree.
 
-Which kernel wins depends on the CPU (docs/kernels.md): on an AMX Xeon bf16 `W @ x.T` is flat up to 16 rows
-while torch's int4 kernel costs half as much for one row and three times as much for nine; on an
-AVX2-only CPU torch's int8 kernel is slower than fp32. So `--quant auto` (and the draft's default) asks.
+The CPU classes (`cpu_class`): AMX (bf16 matmuls on tiles: bfloat16, and the GGUF blocks run natively), AVX-512
+(with or without BF16 / VNNI: measured), AVX2 only (bf16 matmuls are emulated there: float32). Which quantized
+kernel is fastest (`--quant auto`) is always measured (docs/kernels.md): on an AMX Xeon bf16 `W @ x.T` is flat up to
+16 rows while torch's int4 kernel costs half as much for one row and three times as much for nine; on an AVX2-only
+CPU torch's int8 kernel is slower than fp32. A measurement takes the fastest of ROUNDS rounds per candidate; where
+a candidate's rounds disagree by more than NOISE the machine was busy, and the choice is used once but not cached
+(`specdecode doctor --retune` measures again).
 """
 
 from __future__ import annotations
@@ -12,17 +17,22 @@ import hashlib
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from specdecode.cpu import cpu_info
+from specdecode.models.gguf_blocks import random_tensor
 from specdecode.paths import cache_dir, write_atomic
-from specdecode.models.linear import Linear, kernel_available, kernels, make_linear
+from specdecode.models.linear import Linear, kernel, kernel_available, kernels, make_linear
 
-SCHEMA = 2  # bump when what is measured changes: older cached answers are then ignored (2: kernels on all threads)
+SCHEMA = 3  # bump when what is measured changes: older cached answers are then ignored (3: trusted rounds)
 MARGIN = 1.1  # a quantized kernel is chosen only if it is this much faster than the dense one
+ROUNDS = 3  # measurements of every candidate; the fastest counts
+NOISE = 1.15  # the slowest round of a candidate over its fastest: beyond this the measurement is not trusted
 STREAM_BYTES = 256 * 2**20  # each candidate cycles through this many bytes of weights: no cache can hold them
 PROBE_SHAPE = (4864, 896)  # the 0.5B draft's MLP projection
 
@@ -38,15 +48,19 @@ def _cache_file() -> Path:
 
 
 def streamed_layers(dtype: torch.dtype, quant: str, shape: tuple[int, int] = PROBE_SHAPE) -> list[Linear]:
-    """Copies of one random `shape` projection, together STREAM_BYTES: cycling through them reads from memory."""
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)).mul(0.02).to(dtype)
-    layer = make_linear(weight, None, quant)
+    """Copies of one random `shape` projection, together STREAM_BYTES: cycling through them reads from memory.
+    A native kind (`Linear.native`) gets random Q4_K blocks, the type of most of a Q4_K_M file's weights."""
+    if kernel(quant).native:
+        layer = kernel(quant).from_blocks([random_tensor(GGMLQuantizationType.Q4_K, *shape)], None, dtype)
+    else:
+        weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)).mul(0.02).to(dtype)
+        layer = make_linear(weight, None, quant)
     size = sum(b.numel() * b.element_size() for b in list(layer.buffers()) + list(layer.parameters()))
     return [layer] + [copy.deepcopy(layer) for _ in range(max(1, STREAM_BYTES // size) - 1)]
 
 
 def time_rows(layers: list[Linear], rows: int, repeats: int = 5) -> float:
-    """Median ms of one `rows`-row matmul, cycling through `layers`."""
+    """Median ms of one `rows`-row matmul, cycling through `layers` (one round of `_cached_choice`)."""
     x = torch.randn(rows, layers[0].in_features).to(layers[0].dtype)
     for lin in layers:  # warm-up
         lin._matmul(x)
@@ -65,45 +79,89 @@ def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] | N
     A quantized kernel must beat the dense one by MARGIN: it costs acceptance (for a draft) or quality.
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
     """
-    usable = [q for q in candidates or kernels() if kernel_available(q)]
+    usable = [q for q in candidates or kernels() if kernel_available(q) and not kernel(q).native]
     return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}", {q: _timer(dtype, q, rows) for q in usable},
                           "none")
 
 
-def fastest_dtype(rows: int) -> str:
-    """'bfloat16' where a dense bf16 matmul of `rows` rows is faster by MARGIN than a float32 one, else 'float32'.
+def cpu_class(flags: frozenset[str] | None = None) -> str:
+    """'amx', 'avx512' or 'avx2' (or 'other') from the CPU's flags."""
+    flags = cpu_info()[1] if flags is None else flags
+    if {"amx_bf16", "amx_tile"} <= flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else "other"
 
-    Measured, not guessed from flags: on AMX Xeons bf16 is flat in k and 2-4x faster than float32; on
-    AVX2-only CPUs bf16 is emulated, faster for 1 row but slower for 8 (docs/kernels.md).
-    """
+
+def dtype_choice(rows: int) -> tuple[str, str]:
+    """(dtype, why): the activations' dtype for matmuls of `rows` rows on this CPU."""
+    cls = cpu_class()
+    if cls == "amx":
+        return "bfloat16", "AMX-BF16: bf16 matmuls run on the tiles"
+    if cls in ("avx2", "other"):
+        return "float32", "no AVX-512: bf16 matmuls would be emulated"
+    return fastest_dtype(rows), f"measured on this AVX-512 CPU for {rows}-row matmuls"
+
+
+def fastest_dtype(rows: int) -> str:
+    """'bfloat16' where a dense bf16 matmul of `rows` rows is faster by MARGIN than a float32 one, else 'float32'
+    (the tie-breaker of `dtype_choice`: AVX-512 CPUs with or without BF16 differ, docs/kernels.md)."""
     return _cached_choice(f"dtype|{rows} rows",
                           {d: _timer(getattr(torch, d), "none", rows) for d in ("float32", "bfloat16")}, "float32")
 
 
-def _timer(dtype: torch.dtype, quant: str, rows: int) -> Callable[[], float]:
-    """`time_rows` of `quant` layers in `dtype`, made when called (only the timers a cache miss runs build layers)."""
-    return lambda: time_rows(streamed_layers(dtype, quant), rows)
+def forget() -> int:
+    """Drop this CPU's cached measurements (`doctor --retune`); returns how many were dropped."""
+    cached = _read_cache()
+    mine = [k for k in cached if f"|{_cpu_key()}|" in k]
+    for k in mine:
+        del cached[k]
+    write_atomic(_cache_file(), lambda tmp: tmp.write_text(json.dumps(cached, indent=1)))
+    return len(mine)
 
 
-def _cached_choice(question: str, timers: dict[str, Callable[[], float]], default: str) -> str:
-    """The fastest of `timers` (ms), `default` unless another wins by MARGIN; measured once per CPU and torch."""
-    key = f"v{SCHEMA}|{_cpu_key()}|{question}"
-    path = _cache_file()
+def _timer(dtype: torch.dtype, quant: str, rows: int) -> Callable[[], list[float]]:
+    """ROUNDS `time_rows` of `quant` layers in `dtype`, made when called (only a cache miss builds layers)."""
+
+    def rounds() -> list[float]:
+        layers = streamed_layers(dtype, quant)
+        return [time_rows(layers, rows) for _ in range(ROUNDS)]
+
+    return rounds
+
+
+def _read_cache() -> dict:
     try:
-        cached = json.loads(path.read_text())
-        cached = cached if isinstance(cached, dict) else {}
+        cached = json.loads(_cache_file().read_text())
+        return cached if isinstance(cached, dict) else {}
     except (OSError, ValueError):
-        cached = {}
+        return {}
+
+
+def _cached_choice(question: str, timers: dict[str, Callable[[], list[float]]], default: str) -> str:
+    """The fastest of `timers` (ms), `default` unless another wins by MARGIN; measured once per CPU and torch, and
+    cached only when every candidate's rounds agree within NOISE."""
+    key = f"v{SCHEMA}|{_cpu_key()}|{question}"
+    cached = _read_cache()
     entry = cached.get(key)
     if isinstance(entry, dict) and entry.get("choice") in timers:
         return entry["choice"]
-    ms = {}
+    rounds: dict[str, list[float]] = {}
     for name, timer in timers.items():
         try:
-            ms[name] = timer()
+            rounds[name] = timer()
         except Exception:  # noqa: BLE001  a kernel this CPU or torch build lacks is simply not a candidate
             continue
+    ms = {name: min(v) for name, v in rounds.items() if v}
     choice = min(ms, key=lambda n: ms[n] if n == default else ms[n] * MARGIN, default=default)
+    spread = {name: max(v) / min(v) for name, v in rounds.items() if v}
+    if any(x > NOISE for x in spread.values()):
+        worst = max(spread, key=lambda n: spread[n])
+        warnings.warn(f"the machine was busy while timing {question!r} ({worst}'s repeats differ by "
+                      f"{spread[worst] - 1:.0%}): {choice} is used now but not remembered; run "
+                      "`specdecode doctor --retune` on a quiet machine", stacklevel=3)
+        return choice
     cached[key] = {"choice": choice, "ms": {n: round(v, 4) for n, v in ms.items()}}
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(cached, indent=1)))  # unwritable: measured next time
+    write_atomic(_cache_file(), lambda tmp: tmp.write_text(json.dumps(cached, indent=1)))  # unwritable: measured again
     return choice

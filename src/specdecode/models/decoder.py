@@ -30,7 +30,9 @@ from torch import nn
 from specdecode.kernels import decode_ops
 from specdecode.kernels.w4a8 import W4A8Linear, Weights
 from specdecode.models.config import ModelConfig
-from specdecode.models.linear import DenseLinear, Linear, invariant_rows, make_linear, parse_quant, restore_linear
+from specdecode.models.gguf_blocks import BlockEmbedding, QuantizedTensor, supported
+from specdecode.models.linear import DenseLinear, Linear, invariant_rows, kernel, make_linear, parse_quant, \
+    restore_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
 FUSED_MAX_ROWS = 16  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
@@ -201,11 +203,13 @@ class Transformer(nn.Module):
 
     inv_freq: torch.Tensor  # a buffer (register_buffer)
 
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, blocks: list[Block], norm: torch.Tensor,
+    embed: nn.Parameter | BlockEmbedding
+
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor | BlockEmbedding, blocks: list[Block], norm: torch.Tensor,
                  lm_head: Linear, decode_width: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.embed = embed if isinstance(embed, BlockEmbedding) else nn.Parameter(embed, requires_grad=False)
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.Parameter(norm, requires_grad=False)
         self.lm_head = lm_head
@@ -227,7 +231,8 @@ class Transformer(nn.Module):
         return self.embed.device
 
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+    def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor | QuantizedTensor],
+                        dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", decode_width: int | None = None,
                         quant: str = "none", head_rows: int | None = None, head_quant: str = "none") -> "Transformer":
         """Build from Hugging Face parameter names (GGUF loading maps to them too).
@@ -242,36 +247,61 @@ class Transformer(nn.Module):
         its tokens are accepted (its head is a third of its weights).
         """
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return make_linear(weight, bias, quant)
-
         def take(name: str) -> torch.Tensor:
+            return dense(pop(name))
+
+        def pop(name: str) -> torch.Tensor | QuantizedTensor:
             if name not in sd:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
-            return sd.pop(name).to(device=device, dtype=dtype).contiguous()
+            return sd.pop(name)
+
+        def dense(t: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+            t = t.dequantize() if isinstance(t, QuantizedTensor) else t
+            return t.to(device=device, dtype=dtype).contiguous()
 
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in sd else None
 
+        def native(tensors: list[torch.Tensor | QuantizedTensor], quant: str) -> list[QuantizedTensor] | None:
+            """The tensors, if a native kernel (`--quant gguf`) runs them as the file stores them."""
+            blocks = [t for t in tensors if isinstance(t, QuantizedTensor) and supported(t.qtype)]
+            return blocks if kernel(quant).native and len(blocks) == len(tensors) else None
+
+        def linear(tensors: list[torch.Tensor | QuantizedTensor], bias: torch.Tensor | None = None,
+                   quant: str = quant) -> Linear:
+            if (blocks := native(tensors, quant)) is not None:
+                return kernel(quant).from_blocks(blocks, bias, dtype)
+            if kernel(quant).native:  # the file holds this one densely: its precision is its dtype
+                quant = "none"
+            return make_linear(torch.cat([dense(t) for t in tensors]), bias, quant)
+
         blocks = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv = [pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
             biases = [b for n in "qkv" if (b := maybe(p + f"self_attn.{n}_proj.bias")) is not None]
             qkv_b = torch.cat(biases) if len(biases) == 3 else None
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            blocks.append(Block(cfg, linear(qkv_w, qkv_b), linear(take(p + "self_attn.o_proj.weight")),
-                                linear(gate_up), linear(take(p + "mlp.down_proj.weight")),
+            gate_up = [pop(p + "mlp.gate_proj.weight"), pop(p + "mlp.up_proj.weight")]
+            blocks.append(Block(cfg, linear(qkv, qkv_b), linear([pop(p + "self_attn.o_proj.weight")]),
+                                linear(gate_up), linear([pop(p + "mlp.down_proj.weight")]),
                                 take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight")))
-        embed = take("model.embed_tokens.weight")
-        head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in sd else take("lm_head.weight")
-        if head_rows is not None:
-            if not 1 <= head_rows <= head.shape[0]:
-                raise ValueError(f"a reduced vocabulary needs 1..{head.shape[0]} tokens, got {head_rows}")
-            head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
-        if parse_quant(head_quant)[0] == "int4" and head.shape[0] % 16:
+        embed_t = pop("model.embed_tokens.weight")
+        head_t = embed_t if cfg.tie_word_embeddings or "lm_head.weight" not in sd else pop("lm_head.weight")
+        rows = head_t.shape[0] if head_rows is None else head_rows
+        if not 1 <= rows <= head_t.shape[0]:
+            raise ValueError(f"a reduced vocabulary needs 1..{head_t.shape[0]} tokens, got {head_rows}")
+        if parse_quant(head_quant)[0] == "int4" and rows % 16:
             head_quant = "none"  # torch's int4 layout needs rows in multiples of 16 (a reduced vocabulary may not)
-        return cls(cfg, embed, blocks, take("model.norm.weight"), make_linear(head, None, head_quant), decode_width)
+        embed = BlockEmbedding(embed_t, dtype) if isinstance(embed_t, QuantizedTensor) and native([embed_t], quant) \
+            else dense(embed_t)
+        if isinstance(head_t, QuantizedTensor):
+            lm_head = linear([head_t if head_rows is None else head_t.rows(head_rows)], None, head_quant)
+        else:
+            head = embed if head_t is embed_t and isinstance(embed, torch.Tensor) else dense(head_t)
+            if head_rows is not None:
+                head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
+            lm_head = make_linear(head, None, "none" if kernel(head_quant).native else head_quant)
+        return cls(cfg, embed, blocks, take("model.norm.weight"), lm_head, decode_width)
 
     @classmethod
     def from_saved(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], quants: dict[str, str],
@@ -285,13 +315,14 @@ class Transformer(nn.Module):
         def linear(name: str) -> Linear:
             prefix = name + "."
             own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            return restore_linear(quants[name], own, tensors["embed"].dtype)
+            return restore_linear(quants[name], own, tensors["norm"].dtype)
 
         blocks = [Block(cfg, linear(f"blocks.{i}.qkv"), linear(f"blocks.{i}.o"), linear(f"blocks.{i}.gate_up"),
                         linear(f"blocks.{i}.down"), tensors[f"blocks.{i}.attn_norm"], tensors[f"blocks.{i}.mlp_norm"])
                   for i in range(cfg.num_layers)]
-        embed = tensors["embed"]
-        head = DenseLinear(embed[:head_rows_of_embed]) if head_rows_of_embed else linear("lm_head")
+        own = {k.removeprefix("embed."): v for k, v in tensors.items() if k.startswith("embed.")}
+        embed = BlockEmbedding.restore(own, tensors["norm"].dtype) if own else tensors["embed"]
+        head = DenseLinear(tensors["embed"][:head_rows_of_embed]) if head_rows_of_embed else linear("lm_head")
         return cls(cfg, embed, blocks, tensors["norm"], head, decode_width)
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
@@ -377,7 +408,7 @@ class Transformer(nn.Module):
             blocks = mask.unsqueeze(1).split(ATTN_BLOCK, dim=-1)
             step = StepInputs(rows, slots, cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype),
                               list(blocks), False)
-        x = self.embed[tokens]
+        x = self.embed(tokens) if isinstance(self.embed, BlockEmbedding) else self.embed[tokens]
         for i, block in enumerate(self.blocks):
             x = block(x, i, cache, step)
         n = T if num_logits is None else min(num_logits, T)

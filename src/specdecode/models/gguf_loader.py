@@ -1,11 +1,12 @@
 """Read GGUF checkpoints (llama.cpp's format) into a ModelConfig and a Hugging Face-named state dict.
 
-Quantized tensors are dequantized on load, so the runtime only ever sees dense weights and the
-same model code serves safetensors and GGUF checkpoints.
+Quantized tensors are dequantized on load, so the same model code serves safetensors and GGUF checkpoints, or,
+with `blocks=True`, kept as the file's blocks (models/gguf_blocks.py) for kernels that run them as stored.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from gguf.quants import dequantize
 
 from specdecode.errors import ModelLoadError
 from specdecode.models.config import ModelConfig, UnsupportedArchitectureError
+from specdecode.models.gguf_blocks import QuantizedTensor, supported
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,24 +49,31 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return _config(reader, {t.name: t for t in reader.tensors}, path)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, blocks: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor]]:
     """Load a llama/mistral/qwen2 GGUF file as (config, state dict with Hugging Face parameter names).
 
     Each tensor is converted to ``dtype`` right after it is dequantized, so peak memory stays at
     roughly the result plus one float32 copy of the largest tensor (plus the file's mapped pages).
+    blocks: keep the matrices of block types that gguf_blocks reads as QuantizedTensor (the file's bytes).
     """
     path = Path(path)
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config(reader, tensors, path)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | QuantizedTensor] = {}
     for gguf_name, hf_name, rope_heads in _tensor_names(config):
         if gguf_name not in tensors:
             raise ModelLoadError(
                 f"{path}: tensor {gguf_name!r} (for {hf_name}) is missing; "
                 "the file is incomplete or not a supported llama/qwen2 model"
             )
-        weight = read_tensor(tensors[gguf_name], dtype)
+        tensor = tensors[gguf_name]
+        if blocks and len(tensor.shape) == 2 and supported(tensor.tensor_type):
+            raw = _unpermute_rope(read_raw(tensor), rope_heads) if rope_heads else read_raw(tensor)
+            state[hf_name] = QuantizedTensor(raw, tensor.tensor_type, (int(tensor.shape[1]), int(tensor.shape[0])))
+            continue
+        weight = read_tensor(tensor, dtype)
         state[hf_name] = weight if rope_heads is None else _unpermute_rope(weight, rope_heads)
     return config, state
 
@@ -83,6 +92,23 @@ def read_tensor(tensor: ReaderTensor, dtype: torch.dtype = torch.float32) -> tor
         values = np.array(values)
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return torch.from_numpy(values).reshape(shape).to(dtype)
+
+
+def read_raw(tensor: ReaderTensor) -> torch.Tensor:
+    """A quantized matrix's bytes, [rows, bytes per row] uint8 (a copy: the file's map is read-only)."""
+    return torch.from_numpy(np.array(tensor.data)).view(torch.uint8).reshape(int(tensor.shape[1]), -1)
+
+
+def embedding_blocks(path: str | Path) -> dict[str, torch.Tensor]:
+    """token_embd's blocks as a BlockEmbedding's buffers, mapped from the file rather than copied (a lookup reads
+    the pages of its rows only)."""
+    tensor = next((t for t in _open(Path(path)).tensors if t.name == "token_embd.weight"), None)
+    if tensor is None:
+        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing; the file is incomplete")
+    with warnings.catch_warnings():  # read-only memory: the blocks are only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(tensor.data).view(torch.uint8).reshape(int(tensor.shape[1]), -1)
+    return {"raw": raw, "qtype": torch.tensor(int(tensor.tensor_type)), "width": torch.tensor(int(tensor.shape[0]))}
 
 
 def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -18,6 +18,7 @@ from torch import nn
 
 import specdecode.kernels
 from specdecode.errors import InvalidRequestError
+from specdecode.models.gguf_blocks import QuantizedTensor
 
 _REGISTERED: dict[str, type[Linear]] = {}
 
@@ -30,6 +31,7 @@ class Linear(nn.Module):
     group_sizes: ClassVar[tuple[int, ...]] = ()  # the `-gG` choices, the first the default; () for none
     requires: ClassVar[str] = "any CPU"  # what it needs to run at its speed
     head: ClassVar[str] = "none"  # a target's lm_head beside blocks of this kind: wider, as llama.cpp's Q4_K_M
+    native: ClassVar[bool] = False  # runs a GGUF file's blocks as stored (`from_blocks`) instead of quantizing
     group = 0  # inputs per scale, for kinds with group sizes
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -63,6 +65,11 @@ class Linear(nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: int) -> Linear:
+        raise NotImplementedError
+
+    @classmethod
+    def from_blocks(cls, tensors: list[QuantizedTensor], bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+        """A native kernel's layer from a GGUF file's tensors, stacked along their outputs."""
         raise NotImplementedError
 
     @classmethod

@@ -12,10 +12,12 @@ import torch
 
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.catalog import resolve
+from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Transformer
+from specdecode.models.gguf_blocks import QuantizedTensor
 from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer, read_gguf_config
 from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
-from specdecode.models.linear import parse_quant
+from specdecode.models.linear import kernel, parse_quant
 from specdecode.models.weight_cache import WeightCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -69,22 +71,23 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
             raise InvalidRequestError(f"--quant {q} uses CPU kernels; on {dev.type} use --quant none")
     t0 = time.perf_counter()
     path = resolve(str(name_or_path), pull_missing=pull_missing)
-    is_gguf = path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path))
-    if not (path.is_dir() or is_gguf):
+    gguf_file = _is_gguf_file(path)
+    if not (path.is_dir() or gguf_file):
         raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
     # a HF folder in the model dtype loads as fast as the cache would: only GGUF and quantized models are cached
-    cache = WeightCache.for_source(path) if is_gguf or quant != "none" or head_quant != "none" else None
+    cache = WeightCache.for_source(path) if gguf_file or quant != "none" or head_quant != "none" else None
     settings = quant if head_quant == "none" else f"{quant}-head{head_quant}"  # what the cache files are keyed by
     model = cache.load_model(torch_dtype, settings, head_rows, decode_width, dev) if cache else None
     from_cache = model is not None
     if model is None:
-        if is_gguf:
+        if gguf_file:
             read_gguf_config(path)  # a broken file fails here, before the message below promises minutes of work
         if cache:
             print(f"specdecode: first load of {path.name} as {str(torch_dtype).removeprefix('torch.')}/{settings}: "
                   f"dequantizing and packing (one to two minutes for the 1.5B on 2 cores), then cached in "
                   f"{cache.folder}", file=sys.stderr, flush=True)
-        cfg, state = load_gguf(path, dtype=torch_dtype) if is_gguf else load_hf_folder(path)
+        blocks = kernel(quant).native or kernel(head_quant).native  # kept as the file's blocks
+        cfg, state = load_gguf(path, dtype=torch_dtype, blocks=blocks) if gguf_file else _as_state(load_hf_folder(path))
         try:
             model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
                                                 quant=quant, head_rows=head_rows, head_quant=head_quant)
@@ -95,7 +98,7 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
         if cache:
             cache.store_model(model, torch_dtype, settings, head_rows)
     tokenizer = None
-    if with_tokenizer and not is_gguf:
+    if with_tokenizer and not gguf_file:
         tokenizer = load_hf_tokenizer(path)
     elif with_tokenizer:  # converting a GGUF's tokenizer takes seconds: cache it beside the weights
         tokenizer = cache.load_tokenizer() if cache else None
@@ -106,6 +109,18 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     return LoadedModel(model.eval(), tokenizer, path, time.perf_counter() - t0, from_cache)
 
 
-def _has_gguf_magic(path: Path) -> bool:
+def _as_state(loaded: tuple[ModelConfig, dict[str, torch.Tensor]]
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor]]:
+    return loaded[0], dict(loaded[1])
+
+
+def is_gguf(name_or_path: str | Path) -> bool:
+    """Whether a model name or path (resolve: catalog names are pulled) is a GGUF file."""
+    return _is_gguf_file(resolve(str(name_or_path)))
+
+
+def _is_gguf_file(path: Path) -> bool:
+    if not path.is_file():
+        return False
     with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+        return path.suffix.lower() == ".gguf" or f.read(4) == b"GGUF"

@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 from specdecode.paths import cache_dir, file_sha256, write_atomic
 from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Transformer
+from specdecode.models.gguf_blocks import BlockEmbedding
+from specdecode.models.gguf_loader import embedding_blocks
 from specdecode.models.linear import DenseLinear, Linear
 
 FORMAT = 1  # bump when what is stored changes: older entries are then not read
@@ -51,6 +53,7 @@ class WeightCache:
     """The cache entries of one source file or folder (one sub-folder per source hash)."""
 
     def __init__(self, root: Path, source: Path) -> None:
+        self.source = source
         self.folder = root / source_digest(source, root / "hashes.json")[:20]
 
     @classmethod
@@ -83,17 +86,23 @@ class WeightCache:
                           stacklevel=2)
             path.unlink(missing_ok=True)
             return None
+        if meta.get("embed_from_source"):  # a native model's embedding: the file's own blocks, read where they are
+            tensors.update({f"embed.{k}": v for k, v in embedding_blocks(self.source).items()})
         return Transformer.from_saved(cfg, tensors, quants, head, decode_width)
 
     def store_model(self, model: Transformer, dtype: torch.dtype, quant: str, head_rows: int | None) -> None:
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-        tied = isinstance(model.lm_head, DenseLinear) and \
+        from_source = isinstance(model.embed, BlockEmbedding)
+        if from_source:  # the GGUF file holds these bytes already
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("embed.")}
+        tied = isinstance(model.lm_head, DenseLinear) and isinstance(model.embed, torch.Tensor) and \
             model.lm_head.weight.untyped_storage().data_ptr() == model.embed.untyped_storage().data_ptr()
         if tied:  # the lm_head is a view of the embedding: store it once
             del tensors["lm_head.weight"]
         quants = {name: m.quant for name, m in model.named_modules() if isinstance(m, Linear)}
         meta = {"config": json.dumps(asdict(model.config)), "quants": json.dumps(quants),
                 "head_rows_of_embed": str(model.lm_head.out_features) if tied else "",
+                "embed_from_source": "1" if from_source else "",
                 "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}
         path = self.weights_file(dtype, quant, head_rows)
         _write_atomic(path, lambda tmp: save_file(tensors, str(tmp), meta))

@@ -1,0 +1,152 @@
+"""A GGUF file's blocks run as stored (`--quant gguf`): exact codes and scales, the AMX kernel, whole models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from specdecode.errors import InvalidRequestError
+from specdecode.kernels import gguf_amx
+from specdecode.kernels.gguf_amx import GgufLinear
+from specdecode.models.gguf_blocks import FORMATS, BlockEmbedding, QuantizedTensor, concat_rows
+from specdecode.models.linear import make_linear
+from specdecode.models.loading import load_model
+from tests.gguf_files import BLOCK_TYPES, Q4_K_M, Q5_0_MIX, random_blocks, write_model
+from tests.test_quant import assert_greedy_speculative_equals_plain
+
+needs_amx = pytest.mark.skipif(gguf_amx.extension() is None, reason="needs a CPU with AMX-BF16 and g++")
+
+
+def _tensor(qtype: Q, rows: int = 40, cols: int = 512, seed: int = 0) -> QuantizedTensor:
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    return QuantizedTensor(torch.from_numpy(raw), qtype, (rows, cols))
+
+
+def _gguf(t: QuantizedTensor) -> torch.Tensor:
+    return torch.from_numpy(dequantize(t.raw.numpy(), t.qtype)).reshape(t.shape)
+
+
+def test_every_format_is_listed() -> None:
+    assert set(FORMATS) == set(BLOCK_TYPES)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_codes_give_gguf_numbers_bit_for_bit(qtype: Q) -> None:
+    for seed in range(3):  # random bytes: every code, sub-scale and min
+        t = _tensor(qtype, seed=seed)
+        assert torch.equal(t.dequantize(), _gguf(t))
+
+
+@pytest.mark.parametrize("qtype", [q for q in BLOCK_TYPES if q not in (Q.Q4_K, Q.Q5_K, Q.Q6_K)],
+                         ids=lambda q: q.name)
+def test_codes_of_gguf_quantized_weights(qtype: Q) -> None:
+    """Blocks as gguf's own quantizer writes them (not only random bytes)."""
+    w = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
+    t = QuantizedTensor(torch.from_numpy(quantize(w, qtype)), qtype, (16, 256))
+    assert torch.equal(t.dequantize(), _gguf(t))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_packing_keeps_every_code_and_scale(qtype: Q) -> None:
+    t = _tensor(qtype, rows=37)  # not a multiple of 16
+    codes = t.codes()
+    back = gguf_amx.unpack(codes.fmt, gguf_amx.pack(codes), 37)
+    assert torch.equal(back.dequantize(), _gguf(t))
+    for name in ("q", "d", "sc", "dm", "m"):
+        a, b = getattr(codes, name), getattr(back, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_rows_concat_and_lookup() -> None:
+    a, b = _tensor(Q.Q4_K, rows=20, seed=1), _tensor(Q.Q4_K, rows=12, seed=2)
+    both = concat_rows([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([_gguf(a), _gguf(b)]))
+    assert torch.equal(both.rows(25).dequantize(), both.dequantize()[:25])
+    ids = torch.tensor([[3, 0, 31], [7, 7, 30]])
+    emb = BlockEmbedding(both, torch.bfloat16)
+    assert torch.equal(emb(ids), both.dequantize()[ids].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="one block type"):
+        concat_rows([a, _tensor(Q.Q6_K)])
+
+
+def test_quantizing_dense_weights_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="own blocks"):
+        make_linear(torch.randn(32, 64), None, "gguf")
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_kernel_is_the_reference_arithmetic_and_row_invariant(qtype: Q) -> None:
+    t = _tensor(qtype, rows=40, cols=512)
+    layer = GgufLinear.from_blocks([t], None, torch.bfloat16)
+    assert torch.equal(layer.dequantized(), _gguf(t))
+    part = layer.part_list[0]
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    y = gguf_amx.gguf_amx_mm(x, part.fmt, part.buffers_by_name())
+    reference = gguf_amx.reference_mm(x, part.fmt, part.buffers_by_name())
+    # inside a tile multiply the hardware orders and rounds the additions: a few ulps of the products' size
+    products = (x.float().abs() @ _gguf(t).abs().T)
+    assert ((y[:, :40] - reference[:, :40]).abs() <= 2**-20 * products + 1e-30).all()
+    for k in range(1, 17):
+        assert torch.equal(gguf_amx.gguf_amx_mm(x[:k], part.fmt, part.buffers_by_name()), y[:k]), k
+    assert torch.equal(layer(x.float()), y[:, :40])  # the layer: the kernel's float32 outputs
+
+
+@needs_amx
+def test_a_layer_of_mixed_types_is_its_parts_side_by_side() -> None:
+    q, k, v = _tensor(Q.Q4_K, rows=32, seed=1), _tensor(Q.Q4_K, rows=16, seed=2), _tensor(Q.Q6_K, rows=16, seed=3)
+    bias = torch.randn(64)
+    layer = GgufLinear.from_blocks([q, k, v], bias, torch.float32)
+    assert layer.kernel_name() == "GgufLinear(Q4_K+Q6_K)" and layer.out_features == 64
+    x = torch.randn(3, 512)
+    expected = torch.cat([GgufLinear.from_blocks([t], None, torch.float32)(x) for t in (q, k, v)], dim=1) + bias
+    assert torch.equal(layer(x), expected)
+    restored = GgufLinear.restore(layer.state_dict(), 0, torch.float32)
+    assert torch.equal(restored(x), layer(x))
+
+
+@pytest.fixture(scope="module", params=[Q4_K_M, Q5_0_MIX], ids=["q4_k_m", "q5_0"])
+def native_pair(request, tmp_path_factory):
+    if gguf_amx.extension() is None:
+        pytest.skip("needs a CPU with AMX-BF16 and g++")
+    root = tmp_path_factory.mktemp("gguf")
+    target, draft = write_model(root / "t.gguf", request.param), write_model(root / "d.gguf", request.param,
+                                                                            perturb=0.05)
+    return (load_model(target, dtype="bfloat16", quant="gguf", head_quant="gguf", decode_width=9,
+                       with_tokenizer=False),
+            load_model(draft, dtype="bfloat16", quant="gguf", head_quant="gguf", with_tokenizer=False), target)
+
+
+def test_a_native_model_runs_the_files_numbers(native_pair) -> None:
+    target, _, path = native_pair
+    model = target.model
+    assert isinstance(model.embed, BlockEmbedding)
+    assert all(isinstance(m, GgufLinear) for m in (model.lm_head, *model.blocks[0].children()))
+    reference = load_model(path, dtype="float32", quant="none", with_tokenizer=False).model
+    tokens = torch.tensor([[1, 5, 9, 13, 40, 41, 50, 2]])
+    got = model(tokens, torch.tensor([0]), model.new_cache())
+    want = reference(tokens, torch.tensor([0]), reference.new_cache())
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # bf16 activations against float32
+
+
+def test_native_forward_is_invariant_to_the_step_width(native_pair) -> None:
+    from tests.test_runtime import _invariance_mismatches
+
+    assert _invariance_mismatches(native_pair[0].model) == 0
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+def test_native_greedy_speculative_equals_plain(native_pair, drafter) -> None:
+    assert_greedy_speculative_equals_plain(*native_pair[:2], drafter, gammas=(1, 4, None), prompts=8)
+
+
+def test_the_packed_cache_gives_the_same_model(native_pair) -> None:
+    target, _, path = native_pair
+    again = load_model(path, dtype="bfloat16", quant="gguf", head_quant="gguf", decode_width=9, with_tokenizer=False)
+    assert again.from_cache
+    tokens = torch.tensor([[3, 4, 5, 6]])
+    assert torch.equal(again.model(tokens, torch.tensor([0]), again.model.new_cache()),
+                       target.model(tokens, torch.tensor([0]), target.model.new_cache()))
