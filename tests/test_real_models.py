@@ -95,3 +95,29 @@ def test_batched_serving_equals_single_requests_on_the_real_pair():
     plain = build_generator(target, drafter="none", max_context=2048)
     for i, p in enumerate(prompts):
         assert results[i].token_ids == plain.generate(p, chat=True, max_new_tokens=48).token_ids, p
+
+
+def test_the_catalog_files_blocks_give_gguf_numbers_exactly():
+    """Every block type of the catalog's files, on real tensors: our codes and scales (and their AMX packing, where
+    it runs) dequantize to gguf's reference numbers bit for bit."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from specdecode.kernels import gguf_amx
+    from specdecode.models.gguf_blocks import QuantizedTensor, supported
+    from specdecode.models.gguf_loader import read_raw
+
+    seen = set()
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"):
+        for t in gguf.GGUFReader(resolve(name)).tensors:
+            if len(t.shape) != 2 or not supported(t.tensor_type) or (name, t.tensor_type) in seen:
+                continue
+            seen.add((name, t.tensor_type))
+            rows = min(int(t.shape[1]), 512)
+            q = QuantizedTensor(read_raw(t)[:rows], t.tensor_type, (rows, int(t.shape[0])))
+            want = torch.from_numpy(dequantize(q.raw.numpy(), t.tensor_type)).reshape(q.shape)
+            assert torch.equal(q.dequantize(), want), (name, t.name)
+            if gguf_amx.extension() is not None:
+                layer = gguf_amx.GgufLinear.from_blocks([q], None, torch.bfloat16)
+                assert torch.equal(layer.dequantized(), want), (name, t.name)
+    assert {qt.name for _, qt in seen} >= {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"}

@@ -16,6 +16,7 @@ from specdecode import cli
 from specdecode.builder import build_generator
 from specdecode.serving.scheduler import build_scheduler
 from specdecode.kernels import decode_ops
+from specdecode.models.autotune import cpu_class
 from specdecode.serving.app import create_app, serve_in_thread
 
 from .conftest import API_KEY, AUTH, CHAT, MAX_CONTEXT, WORDS, wait_idle
@@ -38,8 +39,9 @@ def test_completion_equals_the_generate_command(server):
     printed = json.loads(out.getvalue())
     expected = printed["text"]
     # --dtype auto: float32 in the tests; dense linears pad every layer in bit-exact mode
-    assert printed["target"] == {"dtype": "float32", "quant": "none", "lm_head": "none",
-                                 "decode_ops": decode_ops.extension() is not None, "padding": "every layer"}
+    assert printed["target"] == {"dtype": "float32", "quant": "none", "lm_head": "none", "kernels": ["DenseLinear"],
+                                 "cpu_class": cpu_class(), "decode_ops": decode_ops.extension() is not None,
+                                 "padding": "every layer"}
     r = server.client.completions.create(model="tiny", prompt="quick brown fox", max_tokens=25, temperature=0)
     assert r.choices[0].text == expected
 

@@ -69,10 +69,10 @@ def target_head_quant(quant: str) -> str:
     return kernel(quant).head
 
 
-def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "file",
+def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: str = "auto",
                batch: int = 1, vocab: int | None = None) -> LoadedModel:
-    """The draft's precision never changes the output: by default its file's own (as the target's), and where no
-    native kernel runs it here, whatever drafts fastest ('auto').
+    """The draft's precision never changes the output, so by default ('auto') it gets whatever kernel drafts fastest
+    here ('file' keeps its file's own blocks, as the target's default does).
     vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
     only needs q at the proposed tokens and q = 0 elsewhere)."""
     dtype = resolve_dtype(dtype, batch, device)
@@ -100,14 +100,14 @@ def check_drafting(drafter: str, gamma: int | None) -> None:
 
 def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
                     gamma: int | None = None, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
-                    max_context: int | None = None, quant: str = "file", draft_quant: str = "file",
+                    max_context: int | None = None, quant: str = "file", draft_quant: str = "auto",
                     draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and draft lengths.
 
     gamma: a fixed draft length, 1..8. By default the drafters that can (drafting.registry(): model, ngram) choose
     each step's length (0 included) from the measured costs and acceptance (draft_lengths.CostModel); the others
     draft their own default length. quant / draft_quant: the target's / the draft's kernels when they are loaded
-    here ("file": the file's own precision, see load_target and load_draft; "auto": fastest here). draft_vocab: the
+    here ("file": the file's own precision, "auto": fastest here; see load_target and load_draft). draft_vocab: the
     draft proposes only token ids below it (see load_draft). batch: sequences drafted for at once
     (serving.scheduler.build_scheduler)."""
     check_drafting(drafter, gamma)

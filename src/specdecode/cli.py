@@ -63,10 +63,9 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="the target's linears. file (default): the model as its file stores it: a GGUF file's blocks "
                         "run as stored where this CPU has a native kernel (gguf), else dense in --dtype. Or "
                         f"re-quantize (changes the target's outputs): {choices}; or auto (the fastest kernel here)")
-    p.add_argument("--draft-quant", default="file", metavar="Q",
-                   help="the draft's linears, same choices; default file, and where no native kernel runs the draft's "
-                        "file here, auto: the draft's precision never changes the output, only how often its tokens "
-                        "are accepted")
+    p.add_argument("--draft-quant", default="auto", metavar="Q",
+                   help="the draft's linears, same choices; default auto (the fastest kernel here): the draft's "
+                        "precision never changes the output, only how often its tokens are accepted")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft proposes only the first N token ids (a smaller, faster lm_head; lossless)")
 
@@ -320,9 +319,10 @@ def _doctor(args: argparse.Namespace) -> int:
               else "none for this CPU class yet: GGUF files are dequantized to the dtype")
     print(f"\nCPU class: {report['cpu_class']}; dtype {c['target']['dtype']} ({c['why_dtype']}); native kernel: "
           f"{native}")
-    print(f"chosen by default (--quant file): target {c['target']['dtype']}/{c['target']['quant']} (the model as its "
+    print(f"chosen by default: target {c['target']['dtype']}/{c['target']['quant']} (--quant file: the model as its "
           f"file defines it; --quant auto would re-quantize to {c['target']['quant_auto']}), draft "
-          f"{c['draft']['dtype']}/{c['draft']['quant']} (the draft's precision never changes the output)")
+          f"{c['draft']['dtype']}/{c['draft']['quant']} (--draft-quant auto, the fastest for one row: the draft's "
+          "precision never changes the output)")
     return 0
 
 
@@ -449,9 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="forget this CPU's cached measurements (dtype on AVX-512, --quant auto) and measure again")
     dr.set_defaults(func=_doctor)
 
-    qq = sub.add_parser("quant-quality", help="greedy agreement and log-likelihood of quantized targets vs unquantized")
+    qq = sub.add_parser("quant-quality", help="greedy agreement and log-likelihood of quantized targets vs unquantized "
+                                              "(gguf: the file's own blocks; llama-cpp: the file in llama.cpp)")
     qq.add_argument("--target", default=DEFAULT_TARGET)
-    qq.add_argument("--quants", nargs="+", default=["int8", "int4"])
+    qq.add_argument("--quants", nargs="+", default=["int8", "int4"], metavar="QUANT[:DTYPE]",
+                    help="each against the reference (--quant none in --dtype): a kernel, optionally in its own dtype "
+                         "(gguf:bfloat16), or llama-cpp")
     qq.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     qq.add_argument("--prompts", type=int, default=20,
                     help="the first N Spec-Bench questions (round robin by category)")

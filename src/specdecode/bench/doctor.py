@@ -120,5 +120,4 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
             "chosen": {"why_dtype": dtype_why, "native": native,
                        "target": {"dtype": target_dtype, "quant": native or "none",
                                   "quant_auto": fastest_quant(getattr(torch, target_dtype), VERIFY_WIDTH)},
-                       "draft": {"dtype": draft_dtype,
-                                 "quant": native or fastest_quant(getattr(torch, draft_dtype), 1)}}}
+                       "draft": {"dtype": draft_dtype, "quant": fastest_quant(getattr(torch, draft_dtype), 1)}}}

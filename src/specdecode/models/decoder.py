@@ -292,7 +292,8 @@ class Transformer(nn.Module):
             raise ValueError(f"a reduced vocabulary needs 1..{head_t.shape[0]} tokens, got {head_rows}")
         if parse_quant(head_quant)[0] == "int4" and rows % 16:
             head_quant = "none"  # torch's int4 layout needs rows in multiples of 16 (a reduced vocabulary may not)
-        embed = BlockEmbedding(embed_t, dtype) if isinstance(embed_t, QuantizedTensor) and native([embed_t], quant) \
+        # a GGUF file's embedding stays its blocks (a lookup reads a few rows): the file's numbers in `dtype`
+        embed = BlockEmbedding(embed_t, dtype, torch.device(device)) if isinstance(embed_t, QuantizedTensor) \
             else dense(embed_t)
         if isinstance(head_t, QuantizedTensor):
             lm_head = linear([head_t if head_rows is None else head_t.rows(head_rows)], None, head_quant)
@@ -321,7 +322,7 @@ class Transformer(nn.Module):
                         linear(f"blocks.{i}.down"), tensors[f"blocks.{i}.attn_norm"], tensors[f"blocks.{i}.mlp_norm"])
                   for i in range(cfg.num_layers)]
         own = {k.removeprefix("embed."): v for k, v in tensors.items() if k.startswith("embed.")}
-        embed = BlockEmbedding.restore(own, tensors["norm"].dtype) if own else tensors["embed"]
+        embed = BlockEmbedding.restore(own, tensors["norm"].dtype, tensors["norm"].device) if own else tensors["embed"]
         head = DenseLinear(tensors["embed"][:head_rows_of_embed]) if head_rows_of_embed else linear("lm_head")
         return cls(cfg, embed, blocks, tensors["norm"], head, decode_width)
 

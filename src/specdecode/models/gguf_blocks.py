@@ -197,31 +197,29 @@ def decode(raw: torch.Tensor, qtype: T, shape: tuple[int, int]) -> Codes:
 
 class BlockEmbedding(nn.Module):
     """An embedding kept as a GGUF tensor's blocks: a lookup decodes its rows (gguf's float32 numbers), then casts them
-    to `dtype`, so the table costs the file's bytes instead of a dense copy."""
+    to `dtype`, so the table costs the file's bytes instead of a dense copy (the 1.5B's: 0.13 GB, 0.47 in bf16)."""
 
     raw: torch.Tensor  # buffers (register_buffer)
     qtype: torch.Tensor
     width: torch.Tensor
 
-    def __init__(self, tensor: QuantizedTensor, dtype: torch.dtype) -> None:
+    def __init__(self, tensor: QuantizedTensor, dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
-        self.register_buffer("raw", tensor.raw)
+        self.register_buffer("raw", tensor.raw)  # stays on the CPU: decoded there
         self.register_buffer("qtype", torch.tensor(int(tensor.qtype)))
         self.register_buffer("width", torch.tensor(tensor.shape[1]))
         self.dtype = dtype
+        self.device = device or torch.device("cpu")  # where the rows go
 
     @classmethod
-    def restore(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> BlockEmbedding:
+    def restore(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | None = None) -> BlockEmbedding:
         return cls(QuantizedTensor(tensors["raw"], T(int(tensors["qtype"])),
-                                   (tensors["raw"].shape[0], int(tensors["width"]))), dtype)
+                                   (tensors["raw"].shape[0], int(tensors["width"]))), dtype, device)
 
     @property
     def tensor(self) -> QuantizedTensor:
         return QuantizedTensor(self.raw, T(int(self.qtype)), (self.raw.shape[0], int(self.width)))
-
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from specdecode.models.decoder import Transformer
 from specdecode.models.gguf_blocks import QuantizedTensor
 from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer, read_gguf_config
 from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
-from specdecode.models.linear import kernel, parse_quant
+from specdecode.models.linear import parse_quant
 from specdecode.models.weight_cache import WeightCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -86,8 +86,8 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
             print(f"specdecode: first load of {path.name} as {str(torch_dtype).removeprefix('torch.')}/{settings}: "
                   f"dequantizing and packing (one to two minutes for the 1.5B on 2 cores), then cached in "
                   f"{cache.folder}", file=sys.stderr, flush=True)
-        blocks = kernel(quant).native or kernel(head_quant).native  # kept as the file's blocks
-        cfg, state = load_gguf(path, dtype=torch_dtype, blocks=blocks) if gguf_file else _as_state(load_hf_folder(path))
+        # a GGUF file's blocks stay blocks: native kernels run them, the embedding reads its rows from them
+        cfg, state = load_gguf(path, dtype=torch_dtype, blocks=True) if gguf_file else _as_state(load_hf_folder(path))
         try:
             model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
                                                 quant=quant, head_rows=head_rows, head_quant=head_quant)
