@@ -25,9 +25,9 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
     return random_tensor(qtype, rows, cols, seed=int(rng.integers(2**31))).raw.numpy()
 
 
-def write_model(path: Path, types: dict[str, Q], seed: int = 0, perturb: float = 0.0) -> Path:
+def write_model(path: Path, types: dict[str, Q], seed: int = 0, perturb: float = 0.0, tied: bool = False) -> Path:
     """A qwen2 GGUF (2 layers, hidden 256, head_dim 64) with each weight matrix in `types[part]`; perturb: the share
-    of rows redrawn (a draft that mostly agrees with the model of the same seed)."""
+    of rows redrawn (a draft that mostly agrees with the model of the same seed); tied: no output.weight."""
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1000)
     writer = gguf.GGUFWriter(str(path), "qwen2")
@@ -59,7 +59,8 @@ def write_model(path: Path, types: dict[str, Q], seed: int = 0, perturb: float =
         for part in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{part}.weight", (1 + rng.standard_normal(HIDDEN) * 0.1).astype(np.float32))
     writer.add_tensor("output_norm.weight", (1 + rng.standard_normal(HIDDEN) * 0.1).astype(np.float32))
-    matrix("output.weight", "output", VOCAB, HIDDEN)
+    if not tied:
+        matrix("output.weight", "output", VOCAB, HIDDEN)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

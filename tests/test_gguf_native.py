@@ -96,6 +96,20 @@ def test_kernel_is_the_reference_arithmetic_and_row_invariant(qtype: Q) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("qtype,cols", [(Q.Q4_0, 96), (Q.Q8_0, 160), (Q.Q5_0, 576), (Q.Q4_1, 64)],
+                         ids=["q4_0-3groups", "q8_0-5groups", "q5_0-18groups", "q4_1-2groups"])
+def test_widths_whose_groups_are_not_a_multiple_of_four(qtype: Q, cols: int) -> None:
+    t = _tensor(qtype, rows=24, cols=cols)
+    part = GgufLinear.from_blocks([t], None, torch.bfloat16).part_list[0]
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = gguf_amx.gguf_amx_mm(x, part.fmt, part.buffers_by_name())
+    reference = gguf_amx.reference_mm(x, part.fmt, part.buffers_by_name())
+    products = x.float().abs() @ _gguf(t).abs().T
+    assert ((y[:, :24] - reference[:, :24]).abs() <= 2**-20 * products + 1e-30).all()
+    assert torch.equal(gguf_amx.gguf_amx_mm(x[:1], part.fmt, part.buffers_by_name()), y[:1])
+
+
+@needs_amx
 def test_a_layer_of_mixed_types_is_its_parts_side_by_side() -> None:
     q, k, v = _tensor(Q.Q4_K, rows=32, seed=1), _tensor(Q.Q4_K, rows=16, seed=2), _tensor(Q.Q6_K, rows=16, seed=3)
     bias = torch.randn(64)
@@ -150,3 +164,40 @@ def test_the_packed_cache_gives_the_same_model(native_pair) -> None:
     tokens = torch.tensor([[3, 4, 5, 6]])
     assert torch.equal(again.model(tokens, torch.tensor([0]), again.model.new_cache()),
                        target.model(tokens, torch.tensor([0]), target.model.new_cache()))
+
+
+def test_llama_q_and_k_rows_are_unpermuted_in_their_blocks(tmp_path) -> None:
+    """llama.cpp permutes a llama model's q/k rows; the blocks are whole rows, so the loader moves them back."""
+    from specdecode.models.gguf_loader import load_gguf
+    from tests.test_gguf import _hf_model, _metadata, _model_tensors, _write_gguf
+
+    _, state = _hf_model("llama", tied=False)
+    tensors, raw = _model_tensors("llama", state, Q.Q8_0)
+    path = _write_gguf(tmp_path / "l.gguf", "llama", _metadata("llama"), tensors, raw)
+    _, blocks = load_gguf(path, blocks=True)
+    _, dense = load_gguf(path)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        q = blocks[name]
+        assert isinstance(q, QuantizedTensor) and torch.equal(q.dequantize(), dense[name])
+
+
+@needs_amx
+def test_a_tied_embedding_is_also_a_native_head_and_a_reduced_one(tmp_path) -> None:
+    path = write_model(tmp_path / "tied.gguf", Q4_K_M, tied=True)
+    full = load_model(path, dtype="bfloat16", quant="gguf", head_quant="gguf", with_tokenizer=False).model
+    assert isinstance(full.embed, BlockEmbedding) and isinstance(full.lm_head, GgufLinear)
+    assert torch.equal(full.lm_head.dequantized(), full.embed.tensor.dequantize())
+    reduced = load_model(path, dtype="bfloat16", quant="gguf", head_quant="gguf", head_rows=32,
+                         with_tokenizer=False).model
+    assert reduced.lm_head.out_features == 32
+    tokens = torch.tensor([[1, 2, 3]])
+    assert torch.equal(reduced(tokens, torch.tensor([0]), reduced.new_cache())[..., :32],
+                       full(tokens, torch.tensor([0]), full.new_cache())[..., :32])
+    dense_head = load_model(path, dtype="bfloat16", quant="gguf", head_quant="none", with_tokenizer=False).model
+    assert isinstance(dense_head.embed, torch.Tensor)  # a tied dense head is a view of one dense embedding
+    assert dense_head.lm_head.weight.untyped_storage().data_ptr() == dense_head.embed.untyped_storage().data_ptr()
+
+
+def test_gguf_on_a_safetensors_model_is_refused(tiny_pair) -> None:
+    with pytest.raises(InvalidRequestError, match="not a GGUF file"):
+        load_model(tiny_pair[0].source, quant="gguf", with_tokenizer=False)

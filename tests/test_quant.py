@@ -310,13 +310,21 @@ def test_a_noisy_measurement_is_used_but_not_cached_and_retune_forgets(tmp_path,
     busy = iter([2.0, 5.0, 2.1, 1.0, 1.0, 1.0])  # float32's rounds disagree: someone else was running
     monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: next(busy))
     with pytest.warns(UserWarning, match="busy"):
-        assert autotune.fastest_dtype(9) == "bfloat16"  # 1.0 * 1.1 < 2.0: used now
+        assert autotune.fastest_dtype(9) == "float32"  # not trusted: the default, the same on every busy run
     assert not (tmp_path / "autotune.json").exists() or "dtype" not in (tmp_path / "autotune.json").read_text()
     quiet = iter([2.0, 2.05, 2.02, 1.0, 1.01, 1.0])
     monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: next(quiet))
     assert autotune.fastest_dtype(9) == "bfloat16"
     assert "bfloat16" in (tmp_path / "autotune.json").read_text()
     assert autotune.forget() == 1 and autotune.forget() == 0
+    busy = iter([2.0, 5.0, 2.1, 1.0, 1.0, 1.0])  # "none" disagrees; int8 is faster
+    monkeypatch.setattr(autotune, "time_rows", lambda layers, rows, repeats=5: next(busy))
+    with pytest.warns(UserWarning, match="busy"):  # a draft's kernel never changes the output: the fastest seen
+        assert autotune.fastest_quant(torch.float32, 1, ("none", "int8"), changes_outputs=False) == "int8"
+    busy = iter([2.0, 5.0, 2.1, 1.0, 1.0, 1.0])
+    with pytest.warns(UserWarning, match="busy"):  # a target's would: none
+        assert autotune.fastest_quant(torch.float32, 1, ("none", "int8")) == "none"
+    assert autotune.forget() == 0
 
 
 def test_file_precision_runs_native_kernels_by_capability(tmp_path, monkeypatch):
@@ -327,6 +335,7 @@ def test_file_precision_runs_native_kernels_by_capability(tmp_path, monkeypatch)
     gguf_file = str(write_model(tmp_path / "m.gguf", Q4_K_M))
     monkeypatch.setattr(GgufLinear, "available", classmethod(lambda cls: True))
     assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file) == "gguf"
+    assert builder.resolve_quant("file", "float32", 9, source=gguf_file) == "none"  # the kernel's activations: bf16
     assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file, device="cuda") == "none"
     assert builder.resolve_quant("int8", "bfloat16", 9, source=gguf_file) == "int8"
     monkeypatch.setattr(GgufLinear, "available", classmethod(lambda cls: False))  # no AMX here

@@ -34,20 +34,21 @@ def native_kind() -> str | None:
 
 
 def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source: str | None = None,
-                  fallback: str = "none") -> str:
-    """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel; where
-    there is none (safetensors, or no native kernel for this CPU) `fallback`. 'auto': the fastest kernel on this
-    CPU for matmuls of `rows` rows (measured once and cached)."""
+                  fallback: str = "none", changes_outputs: bool = True) -> str:
+    """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel, which
+    computes with bfloat16 activations; where there is none (safetensors, no native kernel for this CPU, or float32
+    asked for) `fallback`. 'auto': the fastest kernel on this CPU for matmuls of `rows` rows (measured once and
+    cached)."""
     if quant == "file":
-        native = native_kind() if torch.device(device).type == "cpu" and source and is_gguf(source) else None
-        quant = native or fallback
+        runs_native = torch.device(device).type == "cpu" and dtype == "bfloat16" and source and is_gguf(source)
+        quant = (native_kind() if runs_native else None) or fallback
     if quant != "auto":
         return quant
     if torch.device(device).type != "cpu":  # the quantized kernels are torch's CPU ones
         return "none"
     from specdecode.models.autotune import fastest_quant
 
-    return fastest_quant(parse_dtype(dtype), rows)
+    return fastest_quant(parse_dtype(dtype), rows, changes_outputs=changes_outputs)
 
 
 def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
@@ -76,7 +77,8 @@ def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: s
     vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
     only needs q at the proposed tokens and q = 0 elsewhere)."""
     dtype = resolve_dtype(dtype, batch, device)
-    quant = resolve_quant(quant, dtype, batch, device, draft, fallback="auto")  # the head too: a third of the 0.5B
+    # the head too (a third of the 0.5B); a draft's kernel never changes the output
+    quant = resolve_quant(quant, dtype, batch, device, draft, fallback="auto", changes_outputs=False)
     return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=quant)
 
 

@@ -315,8 +315,9 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"\nfloor for {name} (weights / bandwidth), ms per token: "
               + ", ".join(f"{c} {v}" for c, v in floors.items()))
     c = report["chosen"]
-    native = (f"{c['native']}: a GGUF file's blocks run as stored" if c["native"]
-              else "none for this CPU class yet: GGUF files are dequantized to the dtype")
+    native = (f"{c['native']}: a GGUF file's blocks run as stored" if c["native"] else
+              "none: gguf needs AMX, and here the CPU has none, the kernel did not build or the OS did not grant "
+              "AMX; GGUF files are dequantized to the dtype")
     print(f"\nCPU class: {report['cpu_class']}; dtype {c['target']['dtype']} ({c['why_dtype']}); native kernel: "
           f"{native}")
     print(f"chosen by default: target {c['target']['dtype']}/{c['target']['quant']} (--quant file: the model as its "

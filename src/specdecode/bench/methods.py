@@ -3,7 +3,8 @@
 A method is named `kind[:gG][:dtype][:quant]`: `plain` (our plain decoding), a drafter's name (drafting.registry():
 `model`, `ngram`, `hybrid`, ...; with `:gG` a fixed draft length G, else the drafter's default, chosen each step
 where it can) or a peer (`hf-plain:bfloat16`). Without a dtype it runs in the bench's `--dtype`, without a quant
-unquantized (quant applies to our target; the draft is always the fastest here, as `--draft-quant auto`). Every
+in the bench's `--quant` (default `file`, as `generate`; quant applies to our target; the draft is always the fastest
+here, as `--draft-quant auto`). Every
 method decodes the same prompt token ids.
 """
 

@@ -46,11 +46,11 @@ struct Shape {
   int64_t K, G, block, bias;  // G: groups per row
 };
 
-// entry j: bf16 of (j & 15) + bias where `repeat` (4-bit codes: vpermw reads 5 index bits), else first + j + bias
-inline __m512i value_table(int first, int bias, bool repeat) {
+// entry j: bf16 of (j & 15) + bias, for 4-bit codes (vpermw reads 5 index bits, so the table repeats)
+inline __m512i value_table(int bias) {
   alignas(64) uint16_t tab[32];
   for (int j = 0; j < 32; ++j) {
-    const float f = static_cast<float>((repeat ? j & 15 : first + j) + bias);
+    const float f = static_cast<float>((j & 15) + bias);
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
     tab[j] = static_cast<uint16_t>(bits >> 16);
@@ -69,15 +69,14 @@ constexpr int hi_bytes(int HS) { return HS == 0 ? 0 : HS == 2 ? 128 : 256; }  //
 
 // one chunk's codes (256 bytes of lo, hi_bytes(HS) of hi) -> the 1 KB B tile of values
 template <int HS>
-inline void dequantize_chunk(const uint8_t* lo, const uint8_t* hi, uint16_t* tile, __m512i t0, __m512i t1,
-                             __m512i bias) {
+inline void dequantize_chunk(const uint8_t* lo, const uint8_t* hi, uint16_t* tile, __m512i table, __m512i bias) {
   const __m512i nib = _mm512_set1_epi16(0x0F);
   for (int L = 0; L < 4; ++L) {
     _mm_prefetch(reinterpret_cast<const char*>(lo + kPrefetch + 64 * L), _MM_HINT_T0);
     const __m512i v = _mm512_loadu_si512(lo + 64 * L);
     if constexpr (HS == 0) {
       for (int i = 0; i < 4; ++i)
-        _mm512_store_si512(tile + (4 * L + i) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * i), t0));
+        _mm512_store_si512(tile + (4 * L + i) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * i), table));
     } else if constexpr (HS == 2) {  // bf16 bits 0x4300 | c are the number 128 + c (c < 128): no table
       if (L % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(hi + kPrefetch / 2 + 32 * L), _MM_HINT_T0);
       const __m512i h = _mm512_slli_epi16(
@@ -112,14 +111,13 @@ inline void dequantize_chunk(const uint8_t* lo, const uint8_t* hi, uint16_t* til
 // NG (1..4) groups from g0, each in its own C tile, then rescaled into acc
 template <int M, int NG, int HS, int GROUP>
 inline void groups(const Weights& w, const Shape& s, const uint16_t* x, const float* xs, int64_t g0, __m512* acc,
-                   uint16_t* btile, float* cbuf, __m512i t0, __m512i t1, __m512i bias) {
+                   uint16_t* btile, float* cbuf, __m512i table, __m512i bias) {
   constexpr int chunks = (NG * GROUP + kChunk - 1) / kChunk;
   const int64_t c0 = g0 * GROUP / kChunk;
   _mm_prefetch(reinterpret_cast<const char*>(w.sc + g0 * 16 + 256), _MM_HINT_T0);  // 16 groups ahead
   if (w.dm != nullptr) _mm_prefetch(reinterpret_cast<const char*>(w.m + g0 * 16 + 256), _MM_HINT_T0);
   for (int i = 0; i < chunks; ++i)  // all first: a tile load of data just stored waits for the stores
-    dequantize_chunk<HS>(w.lo + (c0 + i) * kChunkBytes, w.hi + (c0 + i) * hi_bytes(HS), btile + i * 512, t0, t1,
-                         bias);
+    dequantize_chunk<HS>(w.lo + (c0 + i) * kChunkBytes, w.hi + (c0 + i) * hi_bytes(HS), btile + i * 512, table, bias);
   GROUP_MM(4, 0, 2, 0);
   if (NG > 1) GROUP_MM(5, 1, 3, 1);
   if (NG > 2) GROUP_MM(6, 0, 2, 2);
@@ -156,17 +154,16 @@ inline void groups(const Weights& w, const Shape& s, const uint16_t* x, const fl
 template <int M, int HS, int GROUP>
 void n_tile(const Weights& w, const Shape& s, const uint16_t* x, const float* xs, void* out, bool bf16_out,
             int64_t ldo, uint16_t* btile, float* cbuf) {
-  const int b = static_cast<int>(s.bias);
-  const __m512i t0 = value_table(0, b, HS == 0), t1 = value_table(32, b, false);
+  const __m512i table = value_table(static_cast<int>(s.bias));  // 4-bit codes only
   const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(s.bias));
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   int64_t g = 0;
-  for (; g + 4 <= s.G; g += 4) groups<M, 4, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, t0, t1, bias);
+  for (; g + 4 <= s.G; g += 4) groups<M, 4, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, table, bias);
   switch (s.G - g) {
-    case 3: groups<M, 3, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, t0, t1, bias); break;
-    case 2: groups<M, 2, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, t0, t1, bias); break;
-    case 1: groups<M, 1, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, t0, t1, bias); break;
+    case 3: groups<M, 3, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, table, bias); break;
+    case 2: groups<M, 2, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, table, bias); break;
+    case 1: groups<M, 1, HS, GROUP>(w, s, x, xs, g, acc, btile, cbuf, table, bias); break;
     default: break;
   }
   for (int m = 0; m < M; ++m) amx::store_row(out, m, ldo, acc[m], bf16_out);

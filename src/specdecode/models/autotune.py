@@ -6,8 +6,9 @@ The CPU classes (`cpu_class`): AMX (bf16 matmuls on tiles: bfloat16, and the GGU
 kernel is fastest (`--quant auto`) is always measured (docs/kernels.md): on an AMX Xeon bf16 `W @ x.T` is flat up to
 16 rows while torch's int4 kernel costs half as much for one row and three times as much for nine; on an AVX2-only
 CPU torch's int8 kernel is slower than fp32. A measurement takes the fastest of ROUNDS rounds per candidate; where
-a candidate's rounds disagree by more than NOISE the machine was busy, and the choice is used once but not cached
-(`specdecode doctor --retune` measures again).
+a candidate's rounds disagree by more than NOISE the machine was busy: the default (float32, no quantization) is
+used, so a busy machine always gets the same answer, and nothing is cached (`specdecode doctor --retune` measures
+again).
 """
 
 from __future__ import annotations
@@ -73,15 +74,18 @@ def time_rows(layers: list[Linear], rows: int, repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] | None = None) -> str:
+def fastest_quant(dtype: torch.dtype, rows: int, candidates: tuple[str, ...] | None = None,
+                  changes_outputs: bool = True) -> str:
     """The quantization whose kernel is fastest for `rows`-row matmuls here (measured once, then cached).
 
     A quantized kernel must beat the dense one by MARGIN: it costs acceptance (for a draft) or quality.
     Anything going wrong (a kernel this CPU lacks, an unreadable cache) falls back to measuring or to "none".
+    changes_outputs: for a target, a busy machine's measurement gives "none" (the same answer every time); for a
+    draft, whose kernel never changes the output, the fastest it saw.
     """
     usable = [q for q in candidates or kernels() if kernel_available(q) and not kernel(q).native]
     return _cached_choice(f"{dtype}|{rows} rows|{','.join(usable)}", {q: _timer(dtype, q, rows) for q in usable},
-                          "none")
+                          "none", stable=changes_outputs)
 
 
 def cpu_class(flags: frozenset[str] | None = None) -> str:
@@ -139,9 +143,11 @@ def _read_cache() -> dict:
         return {}
 
 
-def _cached_choice(question: str, timers: dict[str, Callable[[], list[float]]], default: str) -> str:
+def _cached_choice(question: str, timers: dict[str, Callable[[], list[float]]], default: str,
+                   stable: bool = True) -> str:
     """The fastest of `timers` (ms), `default` unless another wins by MARGIN; measured once per CPU and torch, and
-    cached only when every candidate's rounds agree within NOISE."""
+    cached only when every candidate's rounds agree within NOISE (otherwise `default` where the answer must be
+    `stable`, the fastest seen where not)."""
     key = f"v{SCHEMA}|{_cpu_key()}|{question}"
     cached = _read_cache()
     entry = cached.get(key)
@@ -156,12 +162,12 @@ def _cached_choice(question: str, timers: dict[str, Callable[[], list[float]]], 
     ms = {name: min(v) for name, v in rounds.items() if v}
     choice = min(ms, key=lambda n: ms[n] if n == default else ms[n] * MARGIN, default=default)
     spread = {name: max(v) / min(v) for name, v in rounds.items() if v}
-    if any(x > NOISE for x in spread.values()):
+    if any(x > NOISE for x in spread.values()):  # the same answer every time until a quiet measurement
         worst = max(spread, key=lambda n: spread[n])
         warnings.warn(f"the machine was busy while timing {question!r} ({worst}'s repeats differ by "
-                      f"{spread[worst] - 1:.0%}): {choice} is used now but not remembered; run "
-                      "`specdecode doctor --retune` on a quiet machine", stacklevel=3)
-        return choice
+                      f"{spread[worst] - 1:.0%}): {default if stable else choice} is used, nothing is remembered; "
+                      "run `specdecode doctor --retune` on a quiet machine", stacklevel=3)
+        return default if stable else choice
     cached[key] = {"choice": choice, "ms": {n: round(v, 4) for n, v in ms.items()}}
     write_atomic(_cache_file(), lambda tmp: tmp.write_text(json.dumps(cached, indent=1)))  # unwritable: measured again
     return choice

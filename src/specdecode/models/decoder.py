@@ -292,13 +292,15 @@ class Transformer(nn.Module):
             raise ValueError(f"a reduced vocabulary needs 1..{head_t.shape[0]} tokens, got {head_rows}")
         if parse_quant(head_quant)[0] == "int4" and rows % 16:
             head_quant = "none"  # torch's int4 layout needs rows in multiples of 16 (a reduced vocabulary may not)
-        # a GGUF file's embedding stays its blocks (a lookup reads a few rows): the file's numbers in `dtype`
-        embed = BlockEmbedding(embed_t, dtype, torch.device(device)) if isinstance(embed_t, QuantizedTensor) \
-            else dense(embed_t)
-        if isinstance(head_t, QuantizedTensor):
+        native_head = native([head_t], head_quant) is not None
+        if isinstance(embed_t, QuantizedTensor) and (head_t is not embed_t or native_head):
+            embed: torch.Tensor | BlockEmbedding = BlockEmbedding(embed_t, dtype, torch.device(device))
+        else:  # dense; a tied dense head is a view of it (one tensor)
+            embed = dense(embed_t)
+        if isinstance(head_t, QuantizedTensor) and (native_head or head_t is not embed_t):
             lm_head = linear([head_t if head_rows is None else head_t.rows(head_rows)], None, head_quant)
         else:
-            head = embed if head_t is embed_t and isinstance(embed, torch.Tensor) else dense(head_t)
+            head = embed if isinstance(embed, torch.Tensor) and head_t is embed_t else dense(head_t)
             if head_rows is not None:
                 head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
             lm_head = make_linear(head, None, "none" if kernel(head_quant).native else head_quant)

@@ -17,7 +17,7 @@ from specdecode.models.decoder import Transformer
 from specdecode.models.gguf_blocks import QuantizedTensor
 from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer, read_gguf_config
 from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
-from specdecode.models.linear import parse_quant
+from specdecode.models.linear import kernel, parse_quant
 from specdecode.models.weight_cache import WeightCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,6 +74,9 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
     gguf_file = _is_gguf_file(path)
     if not (path.is_dir() or gguf_file):
         raise ModelLoadError(f"{path} is neither a Hugging Face folder nor a GGUF file")
+    if not gguf_file and any(kernel(q).native for q in (quant, head_quant)):
+        raise InvalidRequestError(f"--quant {quant} runs a GGUF file's own blocks; {path.name} is not a GGUF file "
+                                  "(--quant file, the default, runs it in its own dtype)")
     # a HF folder in the model dtype loads as fast as the cache would: only GGUF and quantized models are cached
     cache = WeightCache.for_source(path) if gguf_file or quant != "none" or head_quant != "none" else None
     settings = quant if head_quant == "none" else f"{quant}-head{head_quant}"  # what the cache files are keyed by
