@@ -5,10 +5,10 @@ The CPU classes (`cpu_class`): AMX (bf16 matmuls on tiles: bfloat16, and the GGU
 (with or without BF16 / VNNI: measured), AVX2 only (bf16 matmuls are emulated there: float32). Which quantized
 kernel is fastest (`--quant auto`) is always measured (docs/kernels.md): on an AMX Xeon bf16 `W @ x.T` is flat up to
 16 rows while torch's int4 kernel costs half as much for one row and three times as much for nine; on an AVX2-only
-CPU torch's int8 kernel is slower than fp32. A measurement takes the fastest of ROUNDS rounds per candidate; where
-a candidate's rounds disagree by more than NOISE the machine was busy: the default (float32, no quantization) is
-used, so a busy machine always gets the same answer, and nothing is cached (`specdecode doctor --retune` measures
-again).
+CPU torch's int8 kernel is slower than fp32. A measurement takes the fastest of ROUNDS rounds per candidate, and is
+trusted when every pairing of rounds gives the same answer (the winner's slowest round beats every other
+candidate's fastest); otherwise the machine was busy: the default (float32, no quantization) is used, so a busy
+machine always gets the same answer, and nothing is cached (`specdecode doctor --retune` measures again).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from specdecode.models.linear import Linear, kernel, kernel_available, kernels, 
 SCHEMA = 3  # bump when what is measured changes: older cached answers are then ignored (3: trusted rounds)
 MARGIN = 1.1  # a quantized kernel is chosen only if it is this much faster than the dense one
 ROUNDS = 3  # measurements of every candidate; the fastest counts
-NOISE = 1.15  # the slowest round of a candidate over its fastest: beyond this the measurement is not trusted
 STREAM_BYTES = 256 * 2**20  # each candidate cycles through this many bytes of weights: no cache can hold them
 PROBE_SHAPE = (4864, 896)  # the 0.5B draft's MLP projection
 
@@ -146,8 +145,8 @@ def _read_cache() -> dict:
 def _cached_choice(question: str, timers: dict[str, Callable[[], list[float]]], default: str,
                    stable: bool = True) -> str:
     """The fastest of `timers` (ms), `default` unless another wins by MARGIN; measured once per CPU and torch, and
-    cached only when every candidate's rounds agree within NOISE (otherwise `default` where the answer must be
-    `stable`, the fastest seen where not)."""
+    cached only when the rounds agree on the answer (otherwise `default` where the answer must be `stable`, the
+    fastest seen where not)."""
     key = f"v{SCHEMA}|{_cpu_key()}|{question}"
     cached = _read_cache()
     entry = cached.get(key)
@@ -159,15 +158,19 @@ def _cached_choice(question: str, timers: dict[str, Callable[[], list[float]]], 
             rounds[name] = timer()
         except Exception:  # noqa: BLE001  a kernel this CPU or torch build lacks is simply not a candidate
             continue
-    ms = {name: min(v) for name, v in rounds.items() if v}
-    choice = min(ms, key=lambda n: ms[n] if n == default else ms[n] * MARGIN, default=default)
-    spread = {name: max(v) / min(v) for name, v in rounds.items() if v}
-    if any(x > NOISE for x in spread.values()):  # the same answer every time until a quiet measurement
-        worst = max(spread, key=lambda n: spread[n])
-        warnings.warn(f"the machine was busy while timing {question!r} ({worst}'s repeats differ by "
-                      f"{spread[worst] - 1:.0%}): {default if stable else choice} is used, nothing is remembered; "
-                      "run `specdecode doctor --retune` on a quiet machine", stacklevel=3)
+    weight = {name: 1.0 if name == default else MARGIN for name in rounds}  # another must win by MARGIN
+    best = {name: min(v) * weight[name] for name, v in rounds.items() if v}
+    worst = {name: max(v) * weight[name] for name, v in rounds.items() if v}
+    choice = min(best, key=lambda n: best[n], default=default)
+    # trusted when no pairing of rounds changes the answer: the choice's slowest beats every other's fastest
+    contested = [n for n in best if n != choice and best[n] <= worst[choice]]
+    if contested:  # the same answer every time until a quiet measurement
+        warnings.warn(f"the machine was busy while timing {question!r} ({choice}'s rounds ran "
+                      f"{worst[choice] / weight[choice]:.3g}-{best[choice] / weight[choice]:.3g} ms, overlapping "
+                      f"{contested[0]}'s): {default if stable else choice} is used, nothing is remembered; run "
+                      "`specdecode doctor --retune` on a quiet machine", stacklevel=3)
         return default if stable else choice
+    ms = {name: min(v) for name, v in rounds.items() if v}
     cached[key] = {"choice": choice, "ms": {n: round(v, 4) for n, v in ms.items()}}
     write_atomic(_cache_file(), lambda tmp: tmp.write_text(json.dumps(cached, indent=1)))  # unwritable: measured again
     return choice
