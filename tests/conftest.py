@@ -65,7 +65,7 @@ def perturbed(model, scale: float, seed: int):
     return other
 
 
-REAL_AUTOTUNE = (autotune.fastest_quant, autotune.fastest_dtype, autotune.dtype_choice)
+REAL_AUTOTUNE = (autotune.fastest_quant, autotune.fastest_dtype, autotune.dtype_choice, autotune.draft_quant_choice)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -78,6 +78,7 @@ def _session_caches(tmp_path_factory):
         mp.setattr(autotune, "fastest_quant", lambda *args, **kwargs: "none")
         mp.setattr(autotune, "fastest_dtype", lambda *args, **kwargs: "float32")
         mp.setattr(autotune, "dtype_choice", lambda *args, **kwargs: ("float32", "tests"))
+        mp.setattr(autotune, "draft_quant_choice", lambda *args, **kwargs: ("none", "tests"))
         yield
 
 
@@ -89,6 +90,7 @@ def _real_caches_for_real_tests(request, monkeypatch):
         monkeypatch.setattr(autotune, "fastest_quant", REAL_AUTOTUNE[0])
         monkeypatch.setattr(autotune, "fastest_dtype", REAL_AUTOTUNE[1])
         monkeypatch.setattr(autotune, "dtype_choice", REAL_AUTOTUNE[2])
+        monkeypatch.setattr(autotune, "draft_quant_choice", REAL_AUTOTUNE[3])
     if "slow" in request.keywords:
         monkeypatch.delenv("SPECDECODE_PACKED_CACHE")
 

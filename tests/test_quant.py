@@ -347,6 +347,19 @@ def test_file_precision_runs_native_kernels_by_capability(tmp_path, monkeypatch)
     assert builder.resolve_quant("file", "bfloat16", 1, source=gguf_file, fallback="auto") == "none"  # measured
 
 
+@pytest.mark.real_autotune
+@pytest.mark.parametrize("cls", ["amx", "avx512", "avx2"])
+def test_the_drafts_kernel_is_int4_amx_on_amx_else_measured(monkeypatch, cls):
+    from specdecode.models import autotune
+
+    monkeypatch.setattr(autotune, "cpu_info", lambda: ("a CPU", FLAGS[cls]))
+    monkeypatch.setattr(autotune, "kernel_available", lambda quant: True)
+    monkeypatch.setattr(autotune, "fastest_quant", lambda dtype, rows, candidates=None, changes_outputs=True:
+                        "w4a8" if not changes_outputs else "none")
+    expected = "int4-amx" if cls == "amx" else "w4a8"  # a draft's measurement may use the fastest seen
+    assert autotune.draft_quant_choice(torch.bfloat16, 1)[0] == expected
+
+
 def test_an_empty_draft_vocabulary_is_refused_even_with_a_cached_model(tiny_pair):
     from specdecode.builder import load_draft
 

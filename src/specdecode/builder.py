@@ -34,7 +34,7 @@ def native_kind() -> str | None:
 
 
 def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source: str | None = None,
-                  fallback: str = "none", changes_outputs: bool = True) -> str:
+                  fallback: str = "none", draft: bool = False) -> str:
     """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel, which
     computes with bfloat16 activations; where there is none (safetensors, no native kernel for this CPU, or float32
     asked for) `fallback`. 'auto': the fastest kernel on this CPU for matmuls of `rows` rows (measured once and
@@ -46,9 +46,9 @@ def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source
         return quant
     if torch.device(device).type != "cpu":  # the quantized kernels are torch's CPU ones
         return "none"
-    from specdecode.models.autotune import fastest_quant
+    from specdecode.models.autotune import draft_quant_choice, fastest_quant
 
-    return fastest_quant(parse_dtype(dtype), rows, changes_outputs=changes_outputs)
+    return draft_quant_choice(parse_dtype(dtype), rows)[0] if draft else fastest_quant(parse_dtype(dtype), rows)
 
 
 def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
@@ -78,7 +78,7 @@ def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: s
     only needs q at the proposed tokens and q = 0 elsewhere)."""
     dtype = resolve_dtype(dtype, batch, device)
     # the head too (a third of the 0.5B); a draft's kernel never changes the output
-    quant = resolve_quant(quant, dtype, batch, device, draft, fallback="auto", changes_outputs=False)
+    quant = resolve_quant(quant, dtype, batch, device, draft, fallback="auto", draft=True)
     return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=quant)
 
 

@@ -322,7 +322,7 @@ def _doctor(args: argparse.Namespace) -> int:
           f"{native}")
     print(f"chosen by default: target {c['target']['dtype']}/{c['target']['quant']} (--quant file: the model as its "
           f"file defines it; --quant auto would re-quantize to {c['target']['quant_auto']}), draft "
-          f"{c['draft']['dtype']}/{c['draft']['quant']} (--draft-quant auto, the fastest for one row: the draft's "
+          f"{c['draft']['dtype']}/{c['draft']['quant']} (--draft-quant auto: {c['draft']['why_quant']}; the draft's "
           "precision never changes the output)")
     return 0
 

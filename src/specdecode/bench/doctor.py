@@ -17,7 +17,8 @@ from specdecode.builder import VERIFY_WIDTH, native_kind
 from specdecode.cpu import cpu_info
 from specdecode.kernels import decode_ops
 from specdecode.models.config import ModelConfig
-from specdecode.models.autotune import cpu_class, dtype_choice, fastest_quant, streamed_layers, time_rows
+from specdecode.models.autotune import cpu_class, draft_quant_choice, dtype_choice, fastest_quant, streamed_layers, \
+    time_rows
 from specdecode.models.linear import Linear, invariant_rows, kernel, kernel_available, kernels
 
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -120,4 +121,5 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
             "chosen": {"why_dtype": dtype_why, "native": native,
                        "target": {"dtype": target_dtype, "quant": native or "none",
                                   "quant_auto": fastest_quant(getattr(torch, target_dtype), VERIFY_WIDTH)},
-                       "draft": {"dtype": draft_dtype, "quant": fastest_quant(getattr(torch, draft_dtype), 1)}}}
+                       "draft": {"dtype": draft_dtype, "quant": draft_quant_choice(getattr(torch, draft_dtype), 1)[0],
+                                 "why_quant": draft_quant_choice(getattr(torch, draft_dtype), 1)[1]}}}

@@ -107,6 +107,15 @@ def dtype_choice(rows: int) -> tuple[str, str]:
     return fastest_dtype(rows), f"measured on this AVX-512 CPU for {rows}-row matmuls"
 
 
+def draft_quant_choice(dtype: torch.dtype, rows: int) -> tuple[str, str]:
+    """(quant, why): the draft's kernels (`--draft-quant auto`). With AMX, int4-amx: as fast as any for one row and,
+    on the tiles, for the prompt the draft must prefill too (w4a8 is faster for one row there, and many times slower
+    for a prompt). Elsewhere the fastest measured for `rows` rows."""
+    if cpu_class() == "amx" and kernel_available("int4-amx"):
+        return "int4-amx", "AMX: int4 tiles, fast for one row and for the prompt"
+    return fastest_quant(dtype, rows, changes_outputs=False), f"measured for {rows}-row matmuls"
+
+
 def fastest_dtype(rows: int) -> str:
     """'bfloat16' where a dense bf16 matmul of `rows` rows is faster by MARGIN than a float32 one, else 'float32'
     (the tie-breaker of `dtype_choice`: AVX-512 CPUs with or without BF16 differ, docs/kernels.md)."""
