@@ -256,7 +256,7 @@ class Transformer(nn.Module):
             return sd.pop(name)
 
         def dense(t: torch.Tensor | QuantizedTensor) -> torch.Tensor:
-            t = t.dequantize() if isinstance(t, QuantizedTensor) else t
+            t = t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t
             return t.to(device=device, dtype=dtype).contiguous()
 
         def maybe(name: str) -> torch.Tensor | None:

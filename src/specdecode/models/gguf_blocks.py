@@ -77,6 +77,9 @@ class Codes:
         return w.view(N, K)
 
 
+DEQUANTIZE_ROWS = 8192
+
+
 @dataclass
 class QuantizedTensor:
     """A 2-D GGUF tensor kept as the file's bytes: raw [N, bytes per row] uint8, logical shape (N, K)."""
@@ -99,8 +102,13 @@ class QuantizedTensor:
     def codes(self) -> Codes:
         return decode(self.raw, self.qtype, self.shape)
 
-    def dequantize(self) -> torch.Tensor:
-        return self.codes().dequantize()
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """gguf's float32 numbers, cast to `dtype`; DEQUANTIZE_ROWS rows at a time, so a 151936-row head does not
+        need several float32 copies of itself at once."""
+        out = torch.empty(self.shape, dtype=dtype)
+        for r in range(0, self.shape[0], DEQUANTIZE_ROWS):
+            out[r:r + DEQUANTIZE_ROWS] = self.rows_between(r, r + DEQUANTIZE_ROWS).codes().dequantize()
+        return out
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows `ids` (any shape) -> [*ids.shape, K]: an embedding read from the blocks."""
