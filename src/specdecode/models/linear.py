@@ -144,7 +144,7 @@ def parse_quant(quant: str) -> tuple[str, int]:
     kind, sep, group = quant.partition("-g")
     cls = kernels().get(kind)
     if cls is None or (sep and (not cls.group_sizes or not group.isdigit())):
-        raise InvalidRequestError(f"unknown quantization {quant!r}; choose {quant_choices()} or auto")
+        raise InvalidRequestError(f"unknown quantization {quant!r}; choose file, auto or {quant_choices()}")
     if sep and int(group) not in cls.group_sizes:
         raise InvalidRequestError(f"{kind} group size must be one of {cls.group_sizes}, got {group}")
     return kind, int(group) if sep else (cls.group_sizes[0] if cls.group_sizes else 0)
