@@ -113,6 +113,7 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
     # what the defaults pick: a bit-exact verify step has 9 rows, a draft step 1
     (target_dtype, dtype_why), (draft_dtype, _) = dtype_choice(VERIFY_WIDTH), dtype_choice(1)
     native = native_kind()
+    draft_quant, draft_why = draft_quant_choice(getattr(torch, draft_dtype), 1)  # may measure: once
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": timed, "bandwidth_gbs": round(bandwidth, 1),
@@ -121,5 +122,4 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
             "chosen": {"why_dtype": dtype_why, "native": native,
                        "target": {"dtype": target_dtype, "quant": native or "none",
                                   "quant_auto": fastest_quant(getattr(torch, target_dtype), VERIFY_WIDTH)},
-                       "draft": {"dtype": draft_dtype, "quant": draft_quant_choice(getattr(torch, draft_dtype), 1)[0],
-                                 "why_quant": draft_quant_choice(getattr(torch, draft_dtype), 1)[1]}}}
+                       "draft": {"dtype": draft_dtype, "quant": draft_quant, "why_quant": draft_why}}}
