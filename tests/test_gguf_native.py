@@ -1,4 +1,5 @@
-"""A GGUF file's blocks run as stored (`--quant gguf`): exact codes and scales, the AMX kernel, whole models."""
+"""A GGUF file's blocks run as stored (`--quant gguf`, `--quant gguf-int8`): exact codes and scales, the AMX and int8
+kernels, whole models."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from specdecode.errors import InvalidRequestError
-from specdecode.kernels import gguf_amx
+from specdecode.kernels import gguf_amx, gguf_int8
 from specdecode.kernels.gguf_amx import GgufLinear
+from specdecode.kernels.gguf_int8 import GgufInt8Linear
 from specdecode.models.gguf_blocks import FORMATS, BlockEmbedding, QuantizedTensor, concat_rows
 from specdecode.models.linear import make_linear
 from specdecode.models.loading import load_model
@@ -18,6 +20,11 @@ from tests.gguf_files import BLOCK_TYPES, Q4_K_M, Q5_0_MIX, random_blocks, write
 from tests.test_quant import assert_greedy_speculative_equals_plain
 
 needs_amx = pytest.mark.skipif(gguf_amx.extension() is None, reason="needs a CPU with AMX-BF16 and g++")
+needs_avx2 = pytest.mark.skipif(gguf_int8.extension() is None, reason="needs a CPU with AVX2 and g++")
+SCALAR = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")  # gguf_int8.cpp's scalar path
+# each native kernel: its module, layer, and the activation dtype the whole-model tests give it
+KERNELS = {"gguf": (gguf_amx, GgufLinear, torch.bfloat16), "gguf-int8": (gguf_int8, GgufInt8Linear, torch.float32)}
+kernel_params = [pytest.param("gguf", marks=needs_amx), pytest.param("gguf-int8", marks=needs_avx2)]
 
 
 def _tensor(qtype: Q, rows: int = 40, cols: int = 512, seed: int = 0) -> QuantizedTensor:
@@ -49,11 +56,13 @@ def test_codes_of_gguf_quantized_weights(qtype: Q) -> None:
     assert torch.equal(t.dequantize(), _gguf(t))
 
 
+@pytest.mark.parametrize("quant", KERNELS)
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
-def test_packing_keeps_every_code_and_scale(qtype: Q) -> None:
+def test_packing_keeps_every_code_and_scale(qtype: Q, quant: str) -> None:
+    module = KERNELS[quant][0]
     t = _tensor(qtype, rows=37)  # not a multiple of 16
     codes = t.codes()
-    back = gguf_amx.unpack(codes.fmt, gguf_amx.pack(codes), 37)
+    back = module.unpack(codes.fmt, module.pack(codes), 37)
     assert torch.equal(back.dequantize(), _gguf(t))
     for name in ("q", "d", "sc", "dm", "m"):
         a, b = getattr(codes, name), getattr(back, name)
@@ -72,9 +81,10 @@ def test_rows_concat_and_lookup() -> None:
         concat_rows([a, _tensor(Q.Q6_K)])
 
 
-def test_quantizing_dense_weights_is_refused() -> None:
+@pytest.mark.parametrize("quant", KERNELS)
+def test_quantizing_dense_weights_is_refused(quant: str) -> None:
     with pytest.raises(InvalidRequestError, match="own blocks"):
-        make_linear(torch.randn(32, 64), None, "gguf")
+        make_linear(torch.randn(32, 64), None, quant)
 
 
 @needs_amx
@@ -109,41 +119,84 @@ def test_widths_whose_groups_are_not_a_multiple_of_four(qtype: Q, cols: int) -> 
     assert torch.equal(gguf_amx.gguf_amx_mm(x[:1], part.fmt, part.buffers_by_name()), y[:1])
 
 
-@needs_amx
-def test_a_layer_of_mixed_types_is_its_parts_side_by_side() -> None:
+@needs_avx2
+@pytest.mark.parametrize("qtype,cols", [(q, 768) for q in BLOCK_TYPES] + [(Q.Q4_0, 96), (Q.Q5_1, 896)],
+                         ids=[q.name for q in BLOCK_TYPES] + ["q4_0-96", "q5_1-896"])
+def test_int8_kernel_is_the_reference_arithmetic_and_row_invariant(qtype: Q, cols: int) -> None:
+    """The int8 kernel against its arithmetic done exactly in torch (the kernel adds a block's 8 lanes in float32
+    one by one; the reference adds exact products): within a few ulps of the sum of the products' magnitudes; spans
+    of activations shorter than 256 (96, 896 inputs) included."""
+    t = _tensor(qtype, rows=40, cols=cols)
+    layer = GgufInt8Linear.from_blocks([t], None, torch.float32)
+    assert torch.equal(layer.dequantized(), _gguf(t))
+    part = layer.part_list[0]
+    x = torch.randn(16, cols, generator=torch.Generator().manual_seed(0))
+    x[3] = 0  # a zero row: scale 0
+    x[5, :40] *= 1e4  # one outlier span
+    y = gguf_int8.gguf_int8_mm(x, part.fmt, part.buffers_by_name())
+    reference = gguf_int8.reference_mm(x, part.fmt, part.buffers_by_name())
+    products = x.abs() @ _gguf(t).abs().T
+    assert ((y - reference).abs() <= 2**-20 * products + 1e-30).all()
+    assert (y - x @ _gguf(t).T).abs().max() < 0.05 * products.max()  # the int8 activations' rounding, no worse
+    for k in range(1, 17):
+        assert torch.equal(gguf_int8.gguf_int8_mm(x[:k], part.fmt, part.buffers_by_name()), y[:k]), k
+    assert torch.equal(layer(x), y)
+    assert torch.equal(layer(x.to(torch.bfloat16)), gguf_int8.gguf_int8_mm(
+        x.to(torch.bfloat16), part.fmt, part.buffers_by_name()).to(torch.bfloat16))
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_int8_kernel_scalar_path_gives_the_avx2_bits(qtype: Q) -> None:
+    """One arithmetic on every path: a CPU without AVX2 runs the scalar code and gets the same numbers."""
+    if gguf_int8.extension(SCALAR) is None:
+        pytest.skip("the scalar build failed")
+    assert gguf_int8.extension(SCALAR).simd_path() == "scalar"
+    t = _tensor(qtype, rows=24, cols=768, seed=4)
+    part = GgufInt8Linear.from_blocks([t], None, torch.float32).part_list[0]
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(gguf_int8.gguf_int8_mm(x, part.fmt, part.buffers_by_name()),
+                       gguf_int8.gguf_int8_mm(x, part.fmt, part.buffers_by_name(), isa_flags=SCALAR))
+
+
+@pytest.mark.parametrize("quant", kernel_params)
+def test_a_layer_of_mixed_types_is_its_parts_side_by_side(quant: str) -> None:
+    cls = KERNELS[quant][1]
     q, k, v = _tensor(Q.Q4_K, rows=32, seed=1), _tensor(Q.Q4_K, rows=16, seed=2), _tensor(Q.Q6_K, rows=16, seed=3)
     bias = torch.randn(64)
-    layer = GgufLinear.from_blocks([q, k, v], bias, torch.float32)
-    assert layer.kernel_name() == "GgufLinear(Q4_K+Q6_K)" and layer.out_features == 64
+    layer = cls.from_blocks([q, k, v], bias, torch.float32)
+    assert layer.kernel_name() == f"{cls.__name__}(Q4_K+Q6_K)" and layer.out_features == 64
     x = torch.randn(3, 512)
-    expected = torch.cat([GgufLinear.from_blocks([t], None, torch.float32)(x) for t in (q, k, v)], dim=1) + bias
+    expected = torch.cat([cls.from_blocks([t], None, torch.float32)(x) for t in (q, k, v)], dim=1) + bias
     assert torch.equal(layer(x), expected)
-    restored = GgufLinear.restore(layer.state_dict(), 0, torch.float32)
-    assert torch.equal(restored(x), layer(x))
+    restored = cls.restore(layer.state_dict(), 0, torch.float32)
+    assert restored.in_features == 512 and torch.equal(restored(x), layer(x))
 
 
-@pytest.fixture(scope="module", params=[Q4_K_M, Q5_0_MIX], ids=["q4_k_m", "q5_0"])
+@pytest.fixture(scope="module", params=[(q, mix) for q in KERNELS for mix in (Q4_K_M, Q5_0_MIX)],
+                ids=[f"{q}-{mix}" for q in KERNELS for mix in ("q4_k_m", "q5_0")])
 def native_pair(request, tmp_path_factory):
-    if gguf_amx.extension() is None:
-        pytest.skip("needs a CPU with AMX-BF16 and g++")
+    quant, mix = request.param
+    module, _, dtype = KERNELS[quant]
+    if module.extension() is None:
+        pytest.skip(f"{quant} does not run on this CPU")
     root = tmp_path_factory.mktemp("gguf")
-    target, draft = write_model(root / "t.gguf", request.param), write_model(root / "d.gguf", request.param,
-                                                                            perturb=0.05)
-    return (load_model(target, dtype="bfloat16", quant="gguf", head_quant="gguf", decode_width=9,
-                       with_tokenizer=False),
-            load_model(draft, dtype="bfloat16", quant="gguf", head_quant="gguf", with_tokenizer=False), target)
+    target, draft = write_model(root / "t.gguf", mix), write_model(root / "d.gguf", mix, perturb=0.05)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (load_model(target, dtype=dtype_name, quant=quant, head_quant=quant, decode_width=9, with_tokenizer=False),
+            load_model(draft, dtype=dtype_name, quant=quant, head_quant=quant, with_tokenizer=False), target, quant)
 
 
 def test_a_native_model_runs_the_files_numbers(native_pair) -> None:
-    target, _, path = native_pair
+    target, _, path, quant = native_pair
     model = target.model
     assert isinstance(model.embed, BlockEmbedding)
-    assert all(isinstance(m, GgufLinear) for m in (model.lm_head, *model.blocks[0].children()))
+    assert all(isinstance(m, KERNELS[quant][1]) for m in (model.lm_head, *model.blocks[0].children()))
     reference = load_model(path, dtype="float32", quant="none", with_tokenizer=False).model
     tokens = torch.tensor([[1, 5, 9, 13, 40, 41, 50, 2]])
     got = model(tokens, torch.tensor([0]), model.new_cache())
     want = reference(tokens, torch.tensor([0]), reference.new_cache())
-    assert (got - want).abs().max() < 0.05 * want.abs().max()  # bf16 activations against float32
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # bf16 or int8 activations against float32
 
 
 def test_native_forward_is_invariant_to_the_step_width(native_pair) -> None:
@@ -158,8 +211,9 @@ def test_native_greedy_speculative_equals_plain(native_pair, drafter) -> None:
 
 
 def test_the_packed_cache_gives_the_same_model(native_pair) -> None:
-    target, _, path = native_pair
-    again = load_model(path, dtype="bfloat16", quant="gguf", head_quant="gguf", decode_width=9, with_tokenizer=False)
+    target, _, path, quant = native_pair
+    dtype = str(target.model.dtype).removeprefix("torch.")
+    again = load_model(path, dtype=dtype, quant=quant, head_quant=quant, decode_width=9, with_tokenizer=False)
     assert again.from_cache
     tokens = torch.tensor([[3, 4, 5, 6]])
     assert torch.equal(again.model(tokens, torch.tensor([0]), again.model.new_cache()),

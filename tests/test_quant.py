@@ -334,16 +334,19 @@ def test_a_noisy_measurement_is_used_but_not_cached_and_retune_forgets(tmp_path,
 def test_file_precision_runs_native_kernels_by_capability(tmp_path, monkeypatch):
     from specdecode import builder
     from specdecode.kernels.gguf_amx import GgufLinear
+    from specdecode.kernels.gguf_int8 import GgufInt8Linear
     from tests.gguf_files import Q4_K_M, write_model
 
     gguf_file = str(write_model(tmp_path / "m.gguf", Q4_K_M))
-    monkeypatch.setattr(GgufLinear, "available", classmethod(lambda cls: True))
-    assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file) == "gguf"
-    assert builder.resolve_quant("file", "float32", 9, source=gguf_file) == "none"  # the kernel's activations: bf16
-    assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file, device="cuda") == "none"
-    assert builder.resolve_quant("int8", "bfloat16", 9, source=gguf_file) == "int8"
-    monkeypatch.setattr(GgufLinear, "available", classmethod(lambda cls: False))  # no AMX here
-    assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file) == "none"
+    for amx, avx2 in ((True, True), (False, True), (False, False)):  # AMX; AVX2 or AVX-512 without AMX; neither
+        monkeypatch.setattr(GgufLinear, "available", classmethod(lambda cls, a=amx: a))
+        monkeypatch.setattr(GgufInt8Linear, "available", classmethod(lambda cls, a=avx2: a))
+        int8 = "gguf-int8" if avx2 else "none"
+        assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file) == ("gguf" if amx else int8)
+        assert builder.resolve_quant("file", "float32", 9, source=gguf_file) == int8  # AMX's activations are bf16
+        assert builder.resolve_quant("file", "bfloat16", 9, source=gguf_file, device="cuda") == "none"
+        assert builder.resolve_quant("int8", "bfloat16", 9, source=gguf_file) == "int8"
+        assert builder.resolve_quant("file", "float32", 9) == "none"  # not a GGUF file
     assert builder.resolve_quant("file", "bfloat16", 1, source=gguf_file, fallback="auto") == "none"  # measured
 
 

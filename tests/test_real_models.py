@@ -98,12 +98,12 @@ def test_batched_serving_equals_single_requests_on_the_real_pair():
 
 
 def test_the_catalog_files_blocks_give_gguf_numbers_exactly():
-    """Every block type of the catalog's files, on real tensors: our codes and scales (and their AMX packing, where
-    it runs) dequantize to gguf's reference numbers bit for bit."""
+    """Every block type of the catalog's files, on real tensors: our codes and scales and each native kernel's
+    packing dequantize to gguf's reference numbers bit for bit."""
     import gguf
     from gguf.quants import dequantize
 
-    from specdecode.kernels import gguf_amx
+    from specdecode.kernels import gguf_amx, gguf_int8
     from specdecode.models.gguf_blocks import QuantizedTensor, supported
     from specdecode.models.gguf_loader import read_raw
 
@@ -117,7 +117,7 @@ def test_the_catalog_files_blocks_give_gguf_numbers_exactly():
             q = QuantizedTensor(read_raw(t)[:rows], t.tensor_type, (rows, int(t.shape[0])))
             want = torch.from_numpy(dequantize(q.raw.numpy(), t.tensor_type)).reshape(q.shape)
             assert torch.equal(q.dequantize(), want), (name, t.name)
-            if gguf_amx.extension() is not None:
-                layer = gguf_amx.GgufLinear.from_blocks([q], None, torch.bfloat16)
-                assert torch.equal(layer.dequantized(), want), (name, t.name)
+            for module in (gguf_amx, gguf_int8):  # packing is torch: no kernel needed
+                back = module.unpack(q.fmt, module.pack(q.codes()), rows)
+                assert torch.equal(back.dequantize(), want), (name, t.name, module.__name__)
     assert {qt.name for _, qt in seen} >= {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"}

@@ -28,20 +28,21 @@ def resolve_dtype(dtype: str, rows: int, device: str = "cpu") -> str:
     return dtype_choice(rows)[0]
 
 
-def native_kind() -> str | None:
-    """The kernel that runs a GGUF file's blocks as stored on this CPU (`Linear.native`), if one does."""
-    return next((kind for kind, cls in kernels().items() if cls.native and cls.available()), None)
+def native_kind(dtype: str) -> str | None:
+    """The kernel that runs a GGUF file's blocks as stored on this CPU with `dtype` activations (`Linear.native`),
+    if one does: on AMX tiles (bfloat16), else with int8 activations (AVX2 and AVX-512 CPUs)."""
+    return next((kind for kind, cls in kernels().items()
+                 if cls.native and dtype in cls.native_dtypes and cls.available()), None)
 
 
 def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source: str | None = None,
                   fallback: str = "none", draft: bool = False) -> str:
-    """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel, which
-    computes with bfloat16 activations; where there is none (safetensors, no native kernel for this CPU, or float32
-    asked for) `fallback`. 'auto': the fastest kernel on this CPU for matmuls of `rows` rows (measured once and
-    cached)."""
+    """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel for `dtype`;
+    where there is none (safetensors, no native kernel for this CPU) `fallback`. 'auto': the fastest kernel on this
+    CPU for matmuls of `rows` rows (measured once and cached)."""
     if quant == "file":
-        runs_native = torch.device(device).type == "cpu" and dtype == "bfloat16" and source and is_gguf(source)
-        quant = (native_kind() if runs_native else None) or fallback
+        runs_native = torch.device(device).type == "cpu" and source and is_gguf(source)
+        quant = (native_kind(dtype) if runs_native else None) or fallback
     if quant != "auto":
         return quant
     if torch.device(device).type != "cpu":  # the quantized kernels are torch's CPU ones

@@ -61,7 +61,7 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                         for kind, cls in kernels().items())
     p.add_argument("--quant", default="file", metavar="Q",
                    help="the target's linears. file (default): the model as its file stores it: a GGUF file's blocks "
-                        "run as stored where this CPU has a native kernel (gguf), else dense in --dtype. Or "
+                        "run as stored where this CPU has a native kernel (gguf, gguf-int8), else dense in --dtype. Or "
                         f"re-quantize (changes the target's outputs): {choices}; or auto (the fastest kernel here)")
     p.add_argument("--draft-quant", default="auto", metavar="Q",
                    help="the draft's linears, same choices; default auto (the fastest kernel here): the draft's "
@@ -316,8 +316,8 @@ def _doctor(args: argparse.Namespace) -> int:
               + ", ".join(f"{c} {v}" for c, v in floors.items()))
     c = report["chosen"]
     native = (f"{c['native']}: a GGUF file's blocks run as stored" if c["native"] else
-              "none: gguf needs AMX, and here the CPU has none, the kernel did not build or the OS did not grant "
-              "AMX; GGUF files are dequantized to the dtype")
+              "none: gguf needs AMX and gguf-int8 AVX2, and here the CPU has neither or the kernels did not "
+              "build; GGUF files are dequantized to the dtype")
     print(f"\nCPU class: {report['cpu_class']}; dtype {c['target']['dtype']} ({c['why_dtype']}); native kernel: "
           f"{native}")
     print(f"chosen by default: target {c['target']['dtype']}/{c['target']['quant']} (--quant file: the model as its "

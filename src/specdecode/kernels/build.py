@@ -31,7 +31,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused mu
 KERNELS = Path(__file__).parent
 # one library: layer.cpp calls into the other two (cpu_ops.h) and binds them all
 CPU_SOURCES = (KERNELS / "layer.cpp", KERNELS / "w4a8.cpp", KERNELS / "decode_ops.cpp")
-CPU_HEADERS = (KERNELS / "cpu_ops.h", KERNELS / "simd.h")
+CPU_HEADERS = (KERNELS / "cpu_ops.h", KERNELS / "simd.h", KERNELS / "int8_act.h")
 
 
 @cache

@@ -6,23 +6,18 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors keep their codes and t
 int4_amx.cpp does: up to 16 rows per tile multiply, so a verify step costs about what one row does, and each row
 the same operations whatever the number of rows (row-invariant). `reference_mm` is the same arithmetic in torch.
 A layer may stack tensors of different types (Q4_K_M files keep attn_v in Q6_K beside Q4_K q and k): one part
-per run of equal types, their outputs side by side.
+per run of equal types, their outputs side by side (models/block_linear.py).
 """
 
 from __future__ import annotations
 
 import torch
-from gguf import GGMLQuantizationType
-from torch import nn
 
-from specdecode.errors import InvalidRequestError
 from specdecode.kernels.int4_amx import CHUNK, TILE, extension, from_tile_order, nibble_words, tile_order, \
     unpack_nibbles
-from specdecode.models.gguf_blocks import FORMATS, BlockFormat, Codes, QuantizedTensor, concat_rows
-from specdecode.models.linear import Linear
+from specdecode.models.block_linear import BlockLinear
+from specdecode.models.gguf_blocks import BlockFormat, Codes
 
-
-PACK_ROWS = 4096  # rows packed at a time (a multiple of 16): the temporaries of a 151936-row lm_head stay small
 
 
 def hi_shift(bits: int) -> int:
@@ -109,99 +104,22 @@ def gguf_amx_mm(x: torch.Tensor, fmt: BlockFormat, buffers: dict[str, torch.Tens
                            out_dtype == torch.bfloat16)
 
 
-class Part(nn.Module):
-    """One run of equal block types: its buffers, its format and its real width."""
-
-    lo: torch.Tensor  # buffers (register_buffer); hi, d, sc, dm, m too, where the format has them
-
-    def __init__(self, qtype: GGMLQuantizationType, buffers: dict[str, torch.Tensor], width: int) -> None:
-        super().__init__()
-        self.fmt = FORMATS[qtype]
-        self.names = tuple(buffers)
-        for name, t in buffers.items():
-            self.register_buffer(name, t)
-        self.register_buffer("qtype", torch.tensor(int(qtype)))  # kept to rebuild the layer (weight cache)
-        self.register_buffer("width", torch.tensor(width))
-        self.out_features = width
-
-    def buffers_by_name(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self.names}
-
-    def mm(self, rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return gguf_amx_mm(rows, self.fmt, self.buffers_by_name(), out_dtype)[:, :self.out_features]
-
-    def dequantized(self) -> torch.Tensor:
-        return unpack(self.fmt, self.buffers_by_name(), self.out_features).dequantize()
-
-
-class GgufLinear(Linear):
-    """A GGUF file's blocks as stored, on AMX tiles; the file's dense tensors stay dense."""
+class GgufLinear(BlockLinear):
+    """A GGUF file's blocks as stored, on AMX tiles."""
 
     kind = "gguf"
-    help = "a GGUF file's own blocks as stored (Q4_K, Q6_K, Q8_0, Q5_0, ...), no re-quantization"
-    bits = 4
+    help = "a GGUF file's own blocks as stored (Q4_K, Q6_K, Q8_0, Q5_0, ...) on AMX tiles, bf16 activations"
     requires = "a GGUF file and a CPU with AMX-BF16 (Sapphire Rapids or later) and a C++ compiler"
     head = "gguf"
-    native = True
-    row_invariant = True
+    native_dtypes = ("bfloat16",)
+    pack = staticmethod(pack)
+    unpack = staticmethod(unpack)
+    mm = staticmethod(gguf_amx_mm)
 
-    def __init__(self, parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__(sum(p.out_features for p in parts), parts[0].lo.shape[1] * CHUNK, bias, dtype)
-        self.parts = nn.ModuleList(parts)  # their buffers in the state_dict
-        self.part_list = parts
+    @staticmethod
+    def inputs(fmt: BlockFormat, buffers: dict[str, torch.Tensor]) -> int:
+        return buffers["lo"].shape[1] * CHUNK
 
     @classmethod
     def available(cls) -> bool:
         return extension() is not None
-
-    @classmethod
-    def bytes_per_weight(cls) -> float:
-        return 0.5 + 6 / 256 + 2 / 32  # Q4_K: the codes, d and dm per 256, sc and m per 32
-
-    @classmethod
-    def from_blocks(cls, tensors: list[QuantizedTensor], bias: torch.Tensor | None, dtype: torch.dtype) -> GgufLinear:
-        """Tensors stacked along their outputs (q, k, v), each of a supported block type."""
-        if not cls.available():
-            raise InvalidRequestError(f"--quant gguf needs {cls.requires}; use --quant none here")
-        runs: list[list[QuantizedTensor]] = []
-        for t in tensors:
-            if runs and runs[-1][0].qtype == t.qtype:
-                runs[-1].append(t)
-            else:
-                runs.append([t])
-        parts = []
-        for run in runs:
-            stacked = concat_rows(run) if len(run) > 1 else run[0]
-            chunks = [pack(stacked.rows_between(r, r + PACK_ROWS).codes())  # bounded temporaries
-                      for r in range(0, stacked.shape[0], PACK_ROWS)]
-            buffers = {name: torch.cat([c[name] for c in chunks]) for name in chunks[0]}
-            parts.append(Part(stacked.qtype, buffers, stacked.shape[0]))
-        return cls(parts, bias, dtype)
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 0) -> Linear:
-        raise InvalidRequestError("--quant gguf runs a GGUF file's own blocks: it cannot quantize other weights")
-
-    @classmethod
-    def restore(cls, tensors: dict[str, torch.Tensor], group: int, dtype: torch.dtype) -> GgufLinear:
-        if not cls.available():
-            raise InvalidRequestError(f"--quant gguf needs {cls.requires}; use --quant none here")
-        count = 1 + max(int(k.split(".")[1]) for k in tensors if k.startswith("parts."))
-        parts = []
-        for i in range(count):
-            own = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"parts.{i}.")}
-            qtype, width = GGMLQuantizationType(int(own.pop("qtype"))), int(own.pop("width"))
-            parts.append(Part(qtype, own, width))
-        return cls(parts, tensors.get("bias"), dtype)
-
-    def kernel_name(self) -> str:
-        return "GgufLinear(" + "+".join(p.fmt.name for p in self.part_list) + ")"
-
-    def dequantized(self) -> torch.Tensor:
-        return torch.cat([p.dequantized() for p in self.part_list])
-
-    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        out_dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
-        outs = [p.mm(rows, out_dtype) for p in self.part_list]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return y.contiguous().to(rows.dtype)

@@ -32,6 +32,7 @@ class Linear(nn.Module):
     requires: ClassVar[str] = "any CPU"  # what it needs to run at its speed
     head: ClassVar[str] = "none"  # a target's lm_head beside blocks of this kind: wider, as llama.cpp's Q4_K_M
     native: ClassVar[bool] = False  # runs a GGUF file's blocks as stored (`from_blocks`) instead of quantizing
+    native_dtypes: ClassVar[tuple[str, ...]] = ()  # a native kernel's activation dtypes
     group = 0  # inputs per scale, for kinds with group sizes
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
