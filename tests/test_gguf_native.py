@@ -252,6 +252,27 @@ def test_a_tied_embedding_is_also_a_native_head_and_a_reduced_one(tmp_path) -> N
     assert dense_head.lm_head.weight.untyped_storage().data_ptr() == dense_head.embed.untyped_storage().data_ptr()
 
 
+@needs_avx2
+def test_a_tied_embedding_stays_blocks_beside_a_requantized_head(tmp_path) -> None:
+    """A draft's w4a8 head is quantized from the dense embedding; the embedding itself stays the file's blocks (the
+    dense copy is only a temporary), and the cache gives the same model back."""
+    from specdecode.kernels.w4a8 import W4A8Linear
+
+    path = write_model(tmp_path / "tied.gguf", Q4_K_M, tied=True)
+    draft = load_model(path, quant="w4a8", head_quant="w4a8", head_rows=48, with_tokenizer=False)
+    model = draft.model
+    assert isinstance(model.embed, BlockEmbedding) and isinstance(model.lm_head, W4A8Linear)
+    assert model.lm_head.out_features == 48
+    dense = load_model(path, quant="none", with_tokenizer=False).model
+    ids = torch.tensor([[0, 7, 63]])
+    assert torch.equal(model.embed(ids), dense.embed[ids])  # the file's numbers, read from the blocks
+    again = load_model(path, quant="w4a8", head_quant="w4a8", head_rows=48, with_tokenizer=False)
+    assert again.from_cache
+    tokens = torch.tensor([[1, 2, 3]])
+    assert torch.equal(again.model(tokens, torch.tensor([0]), again.model.new_cache()),
+                       model(tokens, torch.tensor([0]), model.new_cache()))
+
+
 def test_gguf_on_a_safetensors_model_is_refused(tiny_pair) -> None:
     with pytest.raises(InvalidRequestError, match="not a GGUF file"):
         load_model(tiny_pair[0].source, quant="gguf", with_tokenizer=False)

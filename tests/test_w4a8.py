@@ -165,6 +165,16 @@ def test_int8_weights_are_q8_0_like_and_close(ext):
     assert err < 0.02  # int8 weights and int8 activations: about 1% on Gaussian weights
 
 
+@pytest.mark.parametrize("layer", [W4A8Linear, W6A8Linear, W8A8Linear])
+def test_quantizing_by_row_chunks_equals_quantizing_at_once(layer, monkeypatch):
+    """A large head is quantized QUANTIZE_ROWS rows at a time: the same weights as in one piece."""
+    weight, _ = _case(100, 300, seed=4)
+    whole = layer.quantize(weight).weights
+    monkeypatch.setattr(w4a8, "QUANTIZE_ROWS", 32)  # 100 rows: three full chunks and a short one
+    chunked = layer.quantize(weight).weights
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole, strict=True))
+
+
 def test_6bit_weights_are_int8_ones_of_7_bits(ext):
     """W6A8 is W8A8's arithmetic on q in -31..31: the same bits as the int8 kernel on the same q, 48 bytes per pair."""
     weight, x = _case(64, 300, seed=7)  # 300: a partial last pair

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from operator import itemgetter
 from types import ModuleType
+from collections.abc import Callable
 from typing import NamedTuple, Union
 
 import torch
@@ -88,6 +89,7 @@ class Int6Weights(NamedTuple):
 
 Weights = Union[Int4Weights, Int6Weights, Int8Weights]
 AnyWeights = Weights  # the name `Weights` means a layer's own class inside W4A8Linear
+QUANTIZE_ROWS = 4096
 KERNEL_OF = {Int4Weights: "w4a8_mm", Int6Weights: "w6a8_mm", Int8Weights: "w8a8_mm"}  # the extension's function
 
 
@@ -118,6 +120,16 @@ def for_this_kernel(weights: Int4Weights) -> Int4Weights:
     if uses_super_blocks():
         return weights._replace(scale=weights.scale.new_empty(weights.scale.shape[0], 0))
     return weights._replace(scale=weights.block_scales())
+
+
+def quantize_by_rows(pack: Callable[[torch.Tensor], AnyWeights], weight: torch.Tensor) -> AnyWeights:
+    """`pack` on QUANTIZE_ROWS rows at a time (every field of the weights is per row): the float32 temporaries of a
+    151936-row lm_head stay a few MiB, not gigabytes."""
+    parts = [pack(weight[r:r + QUANTIZE_ROWS]) for r in range(0, weight.shape[0], QUANTIZE_ROWS)]
+    if len(parts) == 1:
+        return parts[0]
+    joined: list[torch.Tensor] = [torch.cat(fields) for fields in zip(*parts)]
+    return type(parts[0])(*joined)
 
 
 def quantize_weight(weight: torch.Tensor) -> Int4Weights:
@@ -356,7 +368,7 @@ class W4A8Linear(Linear):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 0) -> W4A8Linear:
-        return cls(cls.pack(weight), weight.shape[1], bias, weight.dtype)
+        return cls(quantize_by_rows(cls.pack, weight), weight.shape[1], bias, weight.dtype)
 
     @classmethod
     def restore(cls, tensors: dict[str, torch.Tensor], group: int, dtype: torch.dtype) -> W4A8Linear:

@@ -293,7 +293,9 @@ class Transformer(nn.Module):
         if parse_quant(head_quant)[0] == "int4" and rows % 16:
             head_quant = "none"  # torch's int4 layout needs rows in multiples of 16 (a reduced vocabulary may not)
         native_head = native([head_t], head_quant) is not None
-        if isinstance(embed_t, QuantizedTensor) and (head_t is not embed_t or native_head):
+        dense_head_quant = "none" if kernel(head_quant).native else head_quant
+        shares_embedding = head_t is embed_t and not native_head and dense_head_quant == "none"
+        if isinstance(embed_t, QuantizedTensor) and not shares_embedding:  # the file's blocks, read row by row
             embed: torch.Tensor | BlockEmbedding = BlockEmbedding(embed_t, dtype, torch.device(device))
         else:  # dense; a tied dense head is a view of it (one tensor)
             embed = dense(embed_t)
@@ -303,7 +305,7 @@ class Transformer(nn.Module):
             head = embed if isinstance(embed, torch.Tensor) and head_t is embed_t else dense(head_t)
             if head_rows is not None:
                 head = head[:head_rows] if head is embed else head[:head_rows].clone()  # free the untied rest
-            lm_head = make_linear(head, None, "none" if kernel(head_quant).native else head_quant)
+            lm_head = make_linear(head, None, dense_head_quant)
         return cls(cfg, embed, blocks, take("model.norm.weight"), lm_head, decode_width)
 
     @classmethod

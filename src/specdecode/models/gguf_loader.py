@@ -95,8 +95,11 @@ def read_tensor(tensor: ReaderTensor, dtype: torch.dtype = torch.float32) -> tor
 
 
 def read_raw(tensor: ReaderTensor) -> torch.Tensor:
-    """A quantized matrix's bytes, [rows, bytes per row] uint8 (a copy: the file's map is read-only)."""
-    return torch.from_numpy(np.array(tensor.data)).view(torch.uint8).reshape(int(tensor.shape[1]), -1)
+    """A quantized matrix's bytes, [rows, bytes per row] uint8: a view of the file's read-only map, not a copy (a
+    model's load packs them layer by layer; the pages are the file's, and go when the last view does). Only read."""
+    with warnings.catch_warnings():  # torch warns that the memory is not writable: nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(tensor.data).view(torch.uint8).reshape(int(tensor.shape[1]), -1)
 
 
 def embedding_blocks(path: str | Path) -> dict[str, torch.Tensor]:
@@ -105,10 +108,8 @@ def embedding_blocks(path: str | Path) -> dict[str, torch.Tensor]:
     tensor = next((t for t in _open(Path(path)).tensors if t.name == "token_embd.weight"), None)
     if tensor is None:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing; the file is incomplete")
-    with warnings.catch_warnings():  # read-only memory: the blocks are only ever read
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(tensor.data).view(torch.uint8).reshape(int(tensor.shape[1]), -1)
-    return {"raw": raw, "qtype": torch.tensor(int(tensor.tensor_type)), "width": torch.tensor(int(tensor.shape[0]))}
+    return {"raw": read_raw(tensor), "qtype": torch.tensor(int(tensor.tensor_type)),
+            "width": torch.tensor(int(tensor.shape[0]))}
 
 
 def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from specdecode.errors import InvalidRequestError, ModelLoadError
+from specdecode.heap import temporaries_returned
 from specdecode.models.catalog import resolve
 from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Transformer
-from specdecode.models.gguf_blocks import QuantizedTensor
-from specdecode.models.gguf_loader import load_gguf, load_gguf_tokenizer, read_gguf_config
+from specdecode.models.gguf_blocks import BlockEmbedding, QuantizedTensor
+from specdecode.models.gguf_loader import embedding_blocks, load_gguf, load_gguf_tokenizer, read_gguf_config
 from specdecode.models.hf_loader import load_hf_folder, load_hf_tokenizer
 from specdecode.models.linear import kernel, parse_quant
 from specdecode.models.weight_cache import WeightCache
@@ -86,18 +87,25 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
         if gguf_file:
             read_gguf_config(path)  # a broken file fails here, before the message below promises minutes of work
         if cache:
-            print(f"specdecode: first load of {path.name} as {str(torch_dtype).removeprefix('torch.')}/{settings}: "
-                  f"dequantizing and packing (one to two minutes for the 1.5B on 2 cores), then cached in "
+            head = "" if head_quant == "none" else f", {head_quant} lm_head"
+            print(f"specdecode: first load of {path.name} ({str(torch_dtype).removeprefix('torch.')}, {quant} linears"
+                  f"{head}): packing (one to two minutes for the 1.5B on 2 cores), then cached in "
                   f"{cache.folder}", file=sys.stderr, flush=True)
-        # a GGUF file's blocks stay blocks: native kernels run them, the embedding reads its rows from them
-        cfg, state = load_gguf(path, dtype=torch_dtype, blocks=True) if gguf_file else _as_state(load_hf_folder(path))
-        try:
-            model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev, decode_width=decode_width,
-                                                quant=quant, head_rows=head_rows, head_quant=head_quant)
-        except KeyError as e:
-            raise ModelLoadError(f"{path}: {e.args[0]}") from e
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
+        with temporaries_returned():  # packing's temporaries would otherwise stay in the heap: gigabytes of RSS
+            # a GGUF file's blocks stay blocks: native kernels run them, the embedding reads its rows from them
+            cfg, state = load_gguf(path, dtype=torch_dtype, blocks=True) if gguf_file \
+                else _as_state(load_hf_folder(path))
+            try:
+                model = Transformer.from_state_dict(cfg, state, dtype=torch_dtype, device=dev,
+                                                    decode_width=decode_width, quant=quant, head_rows=head_rows,
+                                                    head_quant=head_quant)
+            except KeyError as e:
+                raise ModelLoadError(f"{path}: {e.args[0]}") from e
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from e
+            del state  # views of the file's map: with the last of them the map, and the pages packing read, go
+        if isinstance(model.embed, BlockEmbedding):  # a fresh map of the embedding alone: pages of its rows only
+            model.embed = BlockEmbedding.restore(embedding_blocks(path), torch_dtype, model.embed.device)
         if cache:
             cache.store_model(model, torch_dtype, settings, head_rows)
     tokenizer = None

@@ -8,7 +8,6 @@ slot before the next engine step.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import hmac
 import json
@@ -30,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine import GenerationResult, TokenEvent
 from specdecode.errors import InvalidRequestError
+from specdecode.heap import release_freed_memory
 from specdecode.serving.limits import DEFAULT_MAX_REQUEST_BYTES, LARGE_PROMPT_CHARACTERS, RETRY_AFTER_SECONDS
 from specdecode.serving.metrics import Metrics
 from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
@@ -244,7 +244,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
                                    coupling=body.coupling)
             finally:
                 if _characters(prompt) > LARGE_PROMPT_CHARACTERS:
-                    _release_freed_memory()
+                    release_freed_memory()
 
         try:
             seq = await asyncio.to_thread(prepare)
@@ -324,14 +324,6 @@ def _characters(prompt: str | list) -> int:
     if isinstance(prompt, str):
         return len(prompt)
     return sum(len(m["content"]) for m in prompt if isinstance(m, dict))
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc keeps a worker thread's freed arena otherwise)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class _Reply:
