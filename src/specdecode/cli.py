@@ -377,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "model:g4"], metavar="METHOD",
                    help=f"any of {', '.join(our_kinds() + PEERS)}, optionally :gG (ours), :float32 / :bfloat16 and the "
                         "target's kernels :none / :gguf / :int8 / :int4 / :w4a8 ...")
-    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="for our methods that name none; auto: as generate's default on this CPU")
     b.add_argument("--quant", default="file", metavar="Q",
                    help="the target's kernels for our methods that name none (the reference `plain` included); "
                         "default file, as `generate` (a GGUF file's blocks as stored where a native kernel runs "
@@ -434,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-batch", type=int, default=8)
     bs.add_argument("--requests-per-client", type=int, default=2)
     bs.add_argument("--max-tokens", type=int, default=64)
-    bs.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    bs.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="auto: as serve's default on this CPU")
     bs.add_argument("--max-context", type=int, default=2048)
     bs.add_argument("--out", type=Path, default=Path("bench_serve_out"))
     bs.add_argument("--url", default=None, help="load-test this running server (e.g. http://127.0.0.1:8000)")

@@ -84,7 +84,7 @@ def load(url: str, model: str, clients: int, requests_per_client: int, max_token
 def serving_bench(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT,
                   drafters: tuple[str, ...] = ("none", "model"), clients: tuple[int, ...] = (1, 4, 8),
                   max_batch: int = 8, requests_per_client: int = 2,
-                  max_tokens: int = 64, dtype: str = "bfloat16", max_context: int = 2048,
+                  max_tokens: int = 64, dtype: str = "auto", max_context: int = 2048,
                   out: Path | None = None, progress=print) -> list[dict]:
     """Every (drafter, clients) pair served batched (`max_batch`) and one sequence per step (max batch 1),
     on models loaded once. The same prompts go to every configuration with the same client count."""
@@ -113,7 +113,8 @@ def serving_bench(target: str = DEFAULT_TARGET, draft: str = DEFAULT_DRAFT,
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "serving.json").write_text(json.dumps({"cpu": cpu_name(), "target": target, "draft": draft,
-                                                      "dtype": dtype, "max_tokens": max_tokens, "rows": rows},
+                                                      "dtype": str(tgt.model.dtype).removeprefix("torch."),
+                                                      "max_tokens": max_tokens, "rows": rows},
                                                      indent=1))
         (out / "serving.md").write_text(serving_table(rows))
     return rows

@@ -217,13 +217,14 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bfloat16", quant: str = "file",
+def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "auto", quant: str = "file",
               gamma: int | None = None, draft_vocab: int | None = None,
               questions_path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
               per_category: int | None = 2, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,
               out: Path = Path("bench_out"), bit_exact: bool = True, coupling: str = "rejection",
               progress: bool = True, log=print) -> dict:
-    """The whole `specdecode bench`: load, run interleaved, write results.jsonl, summary.json, table.md, PNGs."""
+    """The whole `specdecode bench`: load, run interleaved, write results.jsonl, summary.json, table.md, PNGs.
+    dtype 'auto': the target's, as `generate` chooses it on this CPU (for the methods that name none)."""
     import datetime
     import platform
 
@@ -231,11 +232,13 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "bflo
 
     from specdecode.bench.methods import EngineMethod, build_methods, parse_methods
     from specdecode.bench.runtime import cpu_name
+    from specdecode.builder import VERIFY_WIDTH, resolve_dtype
     from specdecode.verification.sampling import SamplingParams
 
     SamplingParams(temperature, coupling=coupling)
     if max_new_tokens <= 0 or repeats <= 0 or (per_category is not None and per_category <= 0):
         raise InvalidRequestError("--max-new-tokens, --repeats and --per-category must be >= 1")
+    dtype = resolve_dtype(dtype, VERIFY_WIDTH)
     specs = parse_methods(methods, dtype, quant)
     questions = load_questions(questions_path, categories, per_category)
     if not questions:

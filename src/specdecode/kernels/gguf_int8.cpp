@@ -159,6 +159,36 @@ inline __m256i groups16(const int8_t* v, int group) {
   return _mm256_set_m128i(_mm_unpackhi_epi16(w, w), _mm_unpacklo_epi16(w, w));
 }
 
+// AVX2: a block's sub-scales as int16 in both 128-bit halves, 8 groups per register: the K types with groups of 32
+// hold all 8 in each; with groups of 16, half h of the block (registers 4h .. 4h + 3) holds groups 8h .. 8h + 7
+template <int Group>
+inline void block_scales16(const int8_t* sc, __m256i* halves) {
+  for (int h = 0; h < (Group == 16 ? 2 : 1); ++h)
+    halves[h] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+}
+// vpshufb masks [groups of 32][register r of the block]: int16 i, the sub-scale of inputs 2i, 2i + 1 in those halves
+alignas(32) constexpr int8_t kScale16Of[2][8][32] = {
+#define SPECDECODE_W(g) 2 * (g), 2 * (g) + 1
+#define SPECDECODE_8(g) SPECDECODE_W(g), SPECDECODE_W(g), SPECDECODE_W(g), SPECDECODE_W(g), SPECDECODE_W(g), \
+                        SPECDECODE_W(g), SPECDECODE_W(g), SPECDECODE_W(g)
+#define SPECDECODE_16(r) {SPECDECODE_8(2 * (r) % 8), SPECDECODE_8((2 * (r) + 1) % 8)}
+#define SPECDECODE_32(r) {SPECDECODE_8(r), SPECDECODE_8(r)}
+    {SPECDECODE_16(0), SPECDECODE_16(1), SPECDECODE_16(2), SPECDECODE_16(3), SPECDECODE_16(4), SPECDECODE_16(5),
+     SPECDECODE_16(6), SPECDECODE_16(7)},
+    {SPECDECODE_32(0), SPECDECODE_32(1), SPECDECODE_32(2), SPECDECODE_32(3), SPECDECODE_32(4), SPECDECODE_32(5),
+     SPECDECODE_32(6), SPECDECODE_32(7)}};
+#undef SPECDECODE_32
+#undef SPECDECODE_16
+#undef SPECDECODE_8
+#undef SPECDECODE_W
+
+// register r of a block: per int16 pair, the sub-scale of its inputs' group
+template <int Group>
+inline __m256i register_scales16(const __m256i* halves, int r) {
+  return _mm256_shuffle_epi8(halves[Group == 16 ? r / 4 : 0],
+                             _mm256_load_si256(reinterpret_cast<const __m256i*>(kScale16Of[Group == 32][r])));
+}
+
 // block s's float steps for T tokens, given their exact code * q lanes J
 template <int T, bool KType, bool Offset>
 inline void add_block(const Row& row, const Shape& sh, const Chunk& c, int64_t s, const __m256i* J, __m256* acc) {
@@ -209,15 +239,15 @@ void row_chunk_avx2(const Row& row, const Shape& sh, const Chunk& c, float* out,
     __m256i J[T];
     for (int t = 0; t < T; ++t) J[t] = _mm256_setzero_si256();
     if constexpr (KType) {
-      const __m256i scales = block_scales(row.sc + s * 256 / sh.group, sh.group);
-      for (int64_t pair = s * 4; pair < s * 4 + 4; ++pair, w += 2 * reg_bytes(Bits)) {
+      constexpr int group = Bits == 6 ? 16 : 32;  // Q6_K; Q4_K and Q5_K
+      __m256i halves[2];
+      block_scales16<group>(row.sc + s * 256 / group, halves);
+      for (int r = 0; r < 8; r += 2, w += 2 * reg_bytes(Bits)) {
         _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
         __m256i u0, u1;
         load_pair<Bits>(w, u0, u1);
-        const __m256i both = register_pair_scales(scales, static_cast<int>(2 * (pair - s * 4)), sh.group);
-        const __m256i sc0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(both));
-        const __m256i sc1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(both, 1));
-        const int8_t* a = c.q + pair * kMaxChunk * 64;
+        const __m256i sc0 = register_scales16<group>(halves, r), sc1 = register_scales16<group>(halves, r + 1);
+        const int8_t* a = c.q + (s * 4 + r / 2) * kMaxChunk * 64;
         for (int t = 0; t < T; ++t, a += 64)
           J[t] = _mm256_add_epi32(J[t], _mm256_add_epi32(_mm256_madd_epi16(products<Bits>(u0, load256(a)), sc0),
                                                          _mm256_madd_epi16(products<Bits>(u1, load256(a + 32)), sc1)));
