@@ -455,10 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     qq = sub.add_parser("quant-quality", help="greedy agreement and log-likelihood of quantized targets vs unquantized "
                                               "(gguf: the file's own blocks; llama-cpp: the file in llama.cpp)")
     qq.add_argument("--target", default=DEFAULT_TARGET)
-    qq.add_argument("--quants", nargs="+", default=["int8", "int4"], metavar="QUANT[:DTYPE]",
+    qq.add_argument("--quants", nargs="+", default=["file", "llama-cpp"], metavar="QUANT[:DTYPE]",
                     help="each against the reference (--quant none in --dtype): a kernel, optionally in its own dtype "
-                         "(gguf:bfloat16), or llama-cpp")
-    qq.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+                         "(gguf:bfloat16; file: the default target, in generate's dtype), or llama-cpp")
+    qq.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the reference's: the file dequantized to it")
     qq.add_argument("--prompts", type=int, default=20,
                     help="the first N Spec-Bench questions (round robin by category)")
     qq.add_argument("--max-new-tokens", type=int, default=64)

@@ -23,7 +23,7 @@ def mean_log_likelihood(model, prompt: list[int], output: list[int]) -> float:
     return float(logp.gather(1, torch.tensor(output).unsqueeze(1)).mean())
 
 
-def quant_quality(target: str, quants: list[str], *, dtype: str = "bfloat16", prompts: int = 20,
+def quant_quality(target: str, quants: list[str], *, dtype: str = "float32", prompts: int = 20,
                   max_new_tokens: int = 64, log=print) -> dict:
     """For each quant: first greedy divergence from the unquantized model per prompt, and mean log-likelihood
     of the unquantized model's greedy outputs (the unquantized model's own figure is the ceiling)."""
@@ -40,7 +40,8 @@ def quant_quality(target: str, quants: list[str], *, dtype: str = "bfloat16", pr
             diverge, ll = _llama_cpp(target, encoded, outputs, max_new_tokens, sorted(reference.eos_ids))
         else:  # QUANT or QUANT:DTYPE (e.g. gguf:bfloat16 against a float32 reference)
             kind, _, own_dtype = quant.partition(":")
-            gen = build_generator(load_target(target, dtype=own_dtype or dtype, bit_exact=False, quant=kind),
+            own_dtype = own_dtype or ("auto" if kind == "file" else dtype)  # file: the default target, as generate's
+            gen = build_generator(load_target(target, dtype=own_dtype, bit_exact=False, quant=kind),
                                   drafter="none")
             diverge = [first_mismatch(o, gen.generate(ids, max_new_tokens=max_new_tokens).token_ids)
                        for ids, o in zip(encoded, outputs)]
