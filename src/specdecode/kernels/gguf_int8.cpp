@@ -265,36 +265,6 @@ void row_chunk_avx2(const Row& row, const Shape& sh, const Chunk& c, float* out,
   store_sums<T>(acc, out, ostride);
 }
 
-// Q4_K and Q5_K on AVX2 CPUs, one token (a decode step), two rows at once: the token's activations are loaded once
-// for both rows, and the two rows' chains interleave. Each row's arithmetic is row_chunk_avx2's, in its order.
-template <int Bits, bool Offset>
-void two_rows_avx2(const Row& row0, const Row& row1, const Shape& sh, const Chunk& c, float* out, int64_t ostride) {
-  constexpr int group = Bits == 6 ? 16 : 32;
-  const Row* rows[2] = {&row0, &row1};
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const uint8_t* w[2] = {row0.w, row1.w};
-  for (int64_t s = 0; s < sh.K / 256; ++s) {
-    __m256i J[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    __m256i halves[2][2];
-    for (int i = 0; i < 2; ++i) block_scales16<group>(rows[i]->sc + s * 256 / group, halves[i]);
-    for (int r = 0; r < 8; r += 2) {
-      const int8_t* a = c.q + (s * 4 + r / 2) * kMaxChunk * 64;
-      const __m256i q0 = load256(a), q1 = load256(a + 32);
-      for (int i = 0; i < 2; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[i] + kPrefetch), _MM_HINT_T0);
-        __m256i u0, u1;
-        load_pair<Bits>(w[i], u0, u1);
-        w[i] += 2 * reg_bytes(Bits);
-        J[i] = _mm256_add_epi32(J[i], _mm256_add_epi32(
-            _mm256_madd_epi16(products<Bits>(u0, q0), register_scales16<group>(halves[i], r)),
-            _mm256_madd_epi16(products<Bits>(u1, q1), register_scales16<group>(halves[i], r + 1))));
-      }
-    }
-    for (int i = 0; i < 2; ++i) add_block<1, true, Offset>(*rows[i], sh, c, s, &J[i], &acc[i]);
-  }
-  for (int i = 0; i < 2; ++i) store_sums<1>(&acc[i], out + i, ostride);
-}
-
 #ifdef SPECDECODE_HAS_AVX512
 #ifdef SPECDECODE_HAS_AVX512_VNNI
 const char* kPath = "avx512-vnni";
@@ -352,17 +322,6 @@ template <int T, int Bits, bool KType, bool Offset>
 void row_chunk(const Row& row, const Shape& sh, const Chunk& c, float* out, int64_t ostride) {
   row_chunk_avx2<T, Bits, KType, Offset>(row, sh, c, out, ostride);
 }
-
-template <int Bits, bool KType, bool Offset>
-void row_pair(const Row& row0, const Row& row1, const Shape& sh, const Chunk& c, float* out, int64_t ostride) {
-  if constexpr (KType && Bits != 6) {  // Q6_K's two rows would need more than AVX2's 16 registers
-    two_rows_avx2<Bits, Offset>(row0, row1, sh, c, out, ostride);
-  } else {
-    row_chunk<1, Bits, KType, Offset>(row0, sh, c, out, ostride);
-    row_chunk<1, Bits, KType, Offset>(row1, sh, c, out + 1, ostride);
-  }
-}
-#define SPECDECODE_FUSED_ROW_PAIR
 #endif
 
 #else  // the same arithmetic in scalar code
@@ -440,39 +399,23 @@ void row_chunk(const Row& row, const Shape& sh, const Chunk& c, float* out, int6
 }
 #endif
 
-#ifndef SPECDECODE_FUSED_ROW_PAIR
-// two rows of one token: one after the other (the AVX2 build fuses them for the K types, above)
-template <int Bits, bool KType, bool Offset>
-void row_pair(const Row& row0, const Row& row1, const Shape& sh, const Chunk& c, float* out, int64_t ostride) {
-  row_chunk<1, Bits, KType, Offset>(row0, sh, c, out, ostride);
-  row_chunk<1, Bits, KType, Offset>(row1, sh, c, out + 1, ostride);
-}
-#endif
-
 using RowFn = void (*)(const Row&, const Shape&, const Chunk&, float*, int64_t);
-using PairFn = void (*)(const Row&, const Row&, const Shape&, const Chunk&, float*, int64_t);
-
-struct Functions {
-  RowFn chunk[kMaxChunk + 1];  // by the number of tokens
-  PairFn pair;  // one token, two rows
-};
 
 template <int Bits, bool KType, bool Offset>
-constexpr Functions kFunctions = {{nullptr, row_chunk<1, Bits, KType, Offset>, row_chunk<2, Bits, KType, Offset>,
-                                   row_chunk<3, Bits, KType, Offset>, row_chunk<4, Bits, KType, Offset>,
-                                   row_chunk<5, Bits, KType, Offset>, row_chunk<6, Bits, KType, Offset>,
-                                   row_chunk<7, Bits, KType, Offset>, row_chunk<8, Bits, KType, Offset>},
-                                  row_pair<Bits, KType, Offset>};
+constexpr RowFn kChunks[kMaxChunk + 1] = {nullptr, row_chunk<1, Bits, KType, Offset>, row_chunk<2, Bits, KType, Offset>,
+                                          row_chunk<3, Bits, KType, Offset>, row_chunk<4, Bits, KType, Offset>,
+                                          row_chunk<5, Bits, KType, Offset>, row_chunk<6, Bits, KType, Offset>,
+                                          row_chunk<7, Bits, KType, Offset>, row_chunk<8, Bits, KType, Offset>};
 
-const Functions& functions(int bits, bool ktype, bool offset) {
+const RowFn* chunk_functions(int bits, bool ktype, bool offset) {
   if (ktype) {
-    if (bits == 4 && offset) return kFunctions<4, true, true>;
-    if (bits == 5 && offset) return kFunctions<5, true, true>;
-    if (bits == 6 && !offset) return kFunctions<6, true, false>;
+    if (bits == 4 && offset) return kChunks<4, true, true>;
+    if (bits == 5 && offset) return kChunks<5, true, true>;
+    if (bits == 6 && !offset) return kChunks<6, true, false>;
   } else {
-    if (bits == 4) return offset ? kFunctions<4, false, true> : kFunctions<4, false, false>;
-    if (bits == 5) return offset ? kFunctions<5, false, true> : kFunctions<5, false, false>;
-    if (bits == 8 && !offset) return kFunctions<8, false, false>;
+    if (bits == 4) return offset ? kChunks<4, false, true> : kChunks<4, false, false>;
+    if (bits == 5) return offset ? kChunks<5, false, true> : kChunks<5, false, false>;
+    if (bits == 8 && !offset) return kChunks<8, false, false>;
   }
   TORCH_CHECK(false, "no GGUF block type has ", bits, " bits with ", ktype ? "super-blocks" : "blocks of 32",
               offset ? " and offsets" : "");
@@ -520,7 +463,7 @@ torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, to
   x = x.contiguous();
   const int64_t k = x.size(0), K = x.size(1), N = w.size(0);
   const bool ktype = block == 256, offset = dm.numel() > 0;
-  const Functions& fns = functions(static_cast<int>(bits), ktype, offset);
+  const RowFn* chunks = chunk_functions(static_cast<int>(bits), ktype, offset);
   TORCH_CHECK(K % block == 0 && (group == 16 || group == 32) && w.dim() == 2 && w.scalar_type() == torch::kUInt8 &&
               w.is_contiguous() && w.size(1) == K / kReg * reg_bytes(static_cast<int>(bits)),
               "codes must be contiguous [N, K / 32 * ", reg_bytes(static_cast<int>(bits)), "] uint8 for K = ", K);
@@ -552,14 +495,11 @@ torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, to
         const int64_t T = std::min<int64_t>(kMaxChunk, k - t0), chunk = t0 / kMaxChunk;
         const Chunk c{act.q.data() + chunk * pairs * kMaxChunk * 64, act.qs.data() + chunk * spans * kMaxChunk * 16,
                       act.a.data() + chunk * spans * kMaxChunk};
-        const auto row = [&](int64_t n) {
-          return Row{wp + n * row_bytes, dp + n * nb, dmp ? dmp + n * nb : nullptr, scp ? scp + n * ng : nullptr,
-                     mp ? mp + n * ng : nullptr};
-        };
-        int64_t n = n0;
-        if (T == 1)
-          for (; n + 1 < n1; n += 2) fns.pair(row(n), row(n + 1), shape, c, o + t0 * N + n, N);
-        for (; n < n1; ++n) fns.chunk[T](row(n), shape, c, o + t0 * N + n, N);
+        for (int64_t n = n0; n < n1; ++n) {
+          const Row row{wp + n * row_bytes, dp + n * nb, dmp ? dmp + n * nb : nullptr, scp ? scp + n * ng : nullptr,
+                        mp ? mp + n * ng : nullptr};
+          chunks[T](row, shape, c, o + t0 * N + n, N);
+        }
       }
     }
   });
