@@ -88,7 +88,8 @@ def load_model(name_or_path: str | Path, *, dtype: str | torch.dtype = "float32"
             read_gguf_config(path)  # a broken file fails here, before the message below promises minutes of work
         if cache:
             head = "" if head_quant == "none" else f", {head_quant} lm_head"
-            print(f"specdecode: first load of {path.name} ({str(torch_dtype).removeprefix('torch.')}, {quant} linears"
+            linears = "dense" if quant == "none" else quant
+            print(f"specdecode: first load of {path.name} ({str(torch_dtype).removeprefix('torch.')}, {linears} linears"
                   f"{head}): packing (one to two minutes for the 1.5B on 2 cores), then cached in "
                   f"{cache.folder}", file=sys.stderr, flush=True)
         with temporaries_returned():  # packing's temporaries would otherwise stay in the heap: gigabytes of RSS
