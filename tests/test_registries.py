@@ -89,7 +89,8 @@ def test_the_drafters_and_kernels_are_the_modules_declarations():
     assert [name for name, spec in registry().items() if spec.needs_draft_model] == ["hybrid", "model"]
     assert {name for name, spec in registry().items() if spec.chooses_lengths} == {"model", "ngram"}
     assert list(kernels())[0] == "none"
-    assert set(kernels()) == {"none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w6a8", "w8a8", "gguf"}
+    assert set(kernels()) == {"none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w6a8", "w8a8", "gguf",
+                              "gguf-int8"}
     for kind, cls in kernels().items():
         assert cls.kind == kind and cls.head in kernels()
         assert parse_quant(kind)[0] == kind
