@@ -11,12 +11,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 TEMPORARY_THRESHOLD = 128 * 1024  # glibc's initial threshold: blocks above it are mapped and unmapped whole
 DECODE_THRESHOLD = 32 * 1024 * 1024  # where glibc's own raising stops: a decode step's tensors reuse heap blocks
 
 
+@cache
 def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None)
@@ -44,4 +46,4 @@ def temporaries_returned() -> Iterator[None]:
     finally:
         if libc is not None:
             libc.mallopt(M_MMAP_THRESHOLD, DECODE_THRESHOLD)
-            libc.malloc_trim(0)
+        release_freed_memory()

@@ -22,6 +22,7 @@ REGISTER = 32  # inputs per register of codes
 SPAN = 256  # inputs per activation scale
 SOURCE = Path(__file__).with_name("gguf_int8.cpp")
 HEADERS = (Path(__file__).with_name("int8_act.h"), Path(__file__).with_name("simd.h"))
+NO_INT8, NO_INT16 = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.int16)  # a format's absent buffers
 
 
 @cache
@@ -129,9 +130,8 @@ def gguf_int8_mm(x: torch.Tensor, fmt: BlockFormat, buffers: dict[str, torch.Ten
     ext = extension(isa_flags)
     if ext is None:
         raise RuntimeError("--quant gguf-int8 needs an AVX2 CPU and a C++ compiler here")
-    empty8, empty16 = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.int16)
-    y = ext.gguf_int8_mm(x, buffers["w"], buffers["d"], buffers.get("dm", empty16), buffers.get("sc", empty8),
-                         buffers.get("m", empty8), fmt.bits, fmt.block, fmt.group, fmt.bias if fmt.bits < 8 else 0)
+    y = ext.gguf_int8_mm(x, buffers["w"], buffers["d"], buffers.get("dm", NO_INT16), buffers.get("sc", NO_INT8),
+                         buffers.get("m", NO_INT8), fmt.bits, fmt.block, fmt.group, fmt.bias if fmt.bits < 8 else 0)
     return y.to(out_dtype)
 
 

@@ -21,9 +21,9 @@ The extension (with the decode ops: `build.cpu_extension`) is compiled on first 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from operator import itemgetter
 from types import ModuleType
-from collections.abc import Callable
 from typing import NamedTuple, Union
 
 import torch
