@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdecode.draft_lengths import MAX_GAMMA, GammaSchedule
@@ -12,6 +15,10 @@ from specdecode.errors import InvalidRequestError
 from specdecode.models.catalog import DEFAULT_DRAFT
 from specdecode.models.linear import kernel, kernels
 from specdecode.models.loading import LoadedModel, is_gguf, load_model, parse_dtype
+from specdecode.paths import cache_dir
+
+if TYPE_CHECKING:
+    from specdecode.heads.format import Head
 
 VERIFY_WIDTH = MAX_GAMMA + 1  # rows of every target decode forward in bit-exact mode
 
@@ -83,14 +90,36 @@ def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: s
     return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=quant)
 
 
+def default_head_dir(target: LoadedModel, kind: str) -> Path:
+    """Where `specdecode train-draft` puts a head by default, and where drafting looks for one without --draft."""
+    return cache_dir() / "heads" / f"{target.source.name.removesuffix('.gguf')}-{kind}"
+
+
+def load_drafting_head(kind: str, target: LoadedModel, path: str | Path | None) -> Head:
+    """The trained head at `path` (default: `default_head_dir`), checked against the target and the drafter."""
+    from specdecode.heads.format import load_head
+
+    where = Path(path) if path is not None else default_head_dir(target, kind)
+    if path is None and not where.is_dir():
+        raise InvalidRequestError(f"drafter {kind!r} needs a trained head: --draft DIR, or train this target's "
+                                  f"default one with `specdecode train-draft --kind {kind}` and the same --target "
+                                  f"(writes {where})")
+    head = load_head(where, target.model)
+    found = "eagle3" if type(head).__name__ == "Eagle3Head" else "medusa"
+    if found != kind:
+        raise InvalidRequestError(f"{where} holds a {found} head; drafter {kind!r} needs a {kind} head")
+    return head
+
+
 def make_drafter(kind: str, target: LoadedModel, draft: LoadedModel | None, *, gamma: int | None = None,
-                 chooses_lengths: bool = False, max_context: int | None = None, batch: int = 1) -> Drafter:
+                 chooses_lengths: bool = False, max_context: int | None = None, batch: int = 1,
+                 head: Head | None = None) -> Drafter:
     """The drafter named `kind` (drafting.registry()); gamma: its length (default: the drafter's); batch: how many
-    sequences it drafts for at once (the server's --max-batch)."""
+    sequences it drafts for at once (the server's --max-batch); head: the trained head of a head drafter."""
     spec = drafter_spec(kind)
     if spec.needs_draft_model and draft is None:
         raise InvalidRequestError(f"drafter {kind!r} needs a draft model (--draft)")
-    return spec.build(DraftingSetup(target, draft, gamma or spec.gamma, chooses_lengths,
+    return spec.build(DraftingSetup(target, draft, head, gamma or spec.gamma, chooses_lengths,
                                     max_context or target.model.config.max_position_embeddings, batch))
 
 
@@ -119,12 +148,15 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
     schedule = GammaSchedule(gamma or spec.gamma, chooses_lengths, maximum=MAX_GAMMA)
     tgt = target if isinstance(target, LoadedModel) else load_target(target, dtype=dtype, device=device,
                                                                      bit_exact=bit_exact, quant=quant)
-    dft = None
-    if spec.needs_draft_model:
+    dft, head = None, None
+    if spec.head_kind is not None:  # --draft names the head's folder
+        draft_path = draft.source if isinstance(draft, LoadedModel) else draft
+        head = load_drafting_head(spec.head_kind, tgt, draft_path)
+    elif spec.needs_draft_model:
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_draft(draft, dtype=dtype, device=device,
                                                                       quant=draft_quant, batch=batch, vocab=draft_vocab)
     max_context = max_context or min(tgt.model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     drafting = make_drafter(drafter, tgt, dft, gamma=schedule.initial, chooses_lengths=chooses_lengths,
-                            max_context=max_context, batch=batch)
+                            max_context=max_context, batch=batch, head=head)
     return SpeculativeGenerator(tgt.model, drafting, tgt.tokenizer, schedule, max_context)

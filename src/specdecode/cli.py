@@ -23,7 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "with no or several slashes, starting with . / ~ or ending in .gguf is a local path "
                         f"(default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None,
-                   help=f"draft model for --drafter model, named like --target (default {DEFAULT_DRAFT})")
+                   help=f"draft model for --drafter model, named like --target (default {DEFAULT_DRAFT}); for "
+                        "--drafter eagle3 or medusa the trained head's folder (default: where train-draft writes it)")
     drafters = registry()
     p.add_argument("--drafter", choices=list(drafters), default="model",
                    help="; ".join(f"{name}: {spec.help}" for name, spec in drafters.items()) + " (default model)")
@@ -336,6 +337,42 @@ def _quant_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_draft(args: argparse.Namespace) -> int:
+    from specdecode.builder import default_head_dir, load_target
+    from specdecode.cpu import cpu_info
+    from specdecode.heads.train import TrainOptions, train_draft
+
+    opts = TrainOptions(kind=args.kind, minutes=args.minutes, tokens=args.tokens, seed=args.seed,
+                        draft_vocab=args.draft_vocab, conversations=args.conversations)
+    opts.check()  # before the slow load
+    target = load_target(args.target, dtype=args.dtype, quant=args.quant)
+    out = args.out or default_head_dir(target, args.kind)
+    print(f"training a {args.kind} head for {args.target} on {cpu_info()[0]} ({torch_threads()} threads) into {out}; "
+          f"at most {args.minutes:g} minutes" + (f" or {args.tokens} tokens" if args.tokens else ""), file=sys.stderr)
+
+    def report(p: dict) -> None:
+        if "conversations" in p:
+            print(f"the target wrote {p['conversations']} of {p['of']} conversations", file=sys.stderr, flush=True)
+            return
+        acc = " ".join(f"{a:.3f}" for a in p["acceptance"])
+        print(f"{p['tokens']:>8} tokens {p['minutes']:7.2f} min | loss {p['loss'] if p['loss'] is not None else '-'} "
+              f"| held-out acceptance at positions 1-4: {acc} | tokens per step (chain of 4) "
+              f"{p['tokens_per_step']:.2f}", flush=True)
+
+    train_draft(target, out, opts, resume=args.resume, target_name=args.target, report=report,
+                progress=sys.stderr.isatty())
+    default = out == default_head_dir(target, args.kind)
+    print(f"head written to {out}; draft with it: specdecode generate --target {args.target} --drafter {args.kind}"
+          + ("" if default else f" --draft {out}"), file=sys.stderr)
+    return 0
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -442,6 +479,29 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--url", default=None, help="load-test this running server (e.g. http://127.0.0.1:8000)")
     bs.add_argument("--model", default="bench", help="with --url: the model id to send")
     bs.set_defaults(func=_bench_serve)
+
+    td = sub.add_parser("train-draft", help="train a drafting head (EAGLE-3 or Medusa) for a target on this CPU",
+                        description="Self-distillation: the target writes conversations, reads local text (the "
+                                    "Python installation's sources and docs) and the head learns the target's own "
+                                    "next-token distribution from its hidden states. Prints a learning curve "
+                                    "(held-out acceptance per draft position); checkpoints every 5 minutes.")
+    td.add_argument("--target", default=DEFAULT_TARGET)
+    td.add_argument("--kind", choices=["eagle3", "medusa"], default="eagle3")
+    td.add_argument("--out", type=Path, default=None,
+                    help="the head's folder (default: the cache's heads/TARGET-KIND, where --drafter KIND looks)")
+    td.add_argument("--minutes", type=float, default=60.0,
+                    help="time budget, the conversations the target writes included (default 60)")
+    td.add_argument("--tokens", type=int, default=None, help="or stop after this many training tokens")
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--draft-vocab", type=int, default=16384, metavar="N",
+                    help="the head's vocabulary: the N most frequent tokens of the training text (default 16384)")
+    td.add_argument("--conversations", type=int, default=48,
+                    help="conversations the target writes itself before training (default 48)")
+    td.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    td.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="the target's, as generate's (default auto)")
+    td.add_argument("--quant", default="file", metavar="Q", help="the target's kernels, as generate's (default file)")
+    td.set_defaults(func=_train_draft)
 
     dr = sub.add_parser("doctor", help="CPU, kernels (ms for k rows, bit-exactness), bandwidth, floors, choices")
     dr.add_argument("--json", action="store_true", help="print one JSON object")

@@ -144,7 +144,7 @@ class SpeculativeGenerator:
         self.drafter.reset()
         if self.cache is None:
             self.cache = self.target.new_cache(1, self.max_context + self.gamma.maximum + 1)
-        seq.prefill(self.target, self.cache)
+        seq.prefill(self.target, self.cache, self.drafter)
         while seq.finish is None:
             [(_, events)] = decode_step(self.target, self.cache, self.drafter, [seq])
             yield from events

@@ -9,7 +9,7 @@ import torch
 
 from specdecode.detokenize import IncrementalText
 from specdecode.draft_lengths import DraftLengths
-from specdecode.drafting.base import Draft
+from specdecode.drafting.base import Draft, Drafter
 from specdecode.models.decoder import Transformer
 from specdecode.stats import GenerationStats
 from specdecode.stop_strings import StopStrings
@@ -59,11 +59,16 @@ class SequenceState:
         self._hit_stop = False
         self.t_start = time.perf_counter()
 
-    def prefill(self, target: Transformer, cache) -> None:
-        """The cache row gets all but the last context token; each step then feeds [last, draft...]."""
+    def prefill(self, target: Transformer, cache, drafter: Drafter | None = None) -> None:
+        """The cache row gets all but the last context token; each step then feeds [last, draft...]. A drafter that
+        reads the target's hidden states observes the prompt's."""
+        layers = drafter.feature_layers if drafter is not None else ()
         if len(self.ids) > 1:
+            hidden = dict.fromkeys(layers, torch.empty(0)) if layers else None
             target(torch.tensor([self.ids[:-1]]), torch.tensor([0]), cache, num_logits=0,
-                   rows=torch.tensor([self.row]))
+                   rows=torch.tensor([self.row]), hidden=hidden)
+            if drafter is not None and hidden is not None:
+                drafter.observe(self.row, 0, self.ids[:-1], torch.cat([hidden[n][0] for n in layers], -1))
         self.stats.prefill_seconds = time.perf_counter() - self.t_start
         self.lengths.costs.start_sequence()
 

@@ -39,7 +39,7 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
     batch, proposed = _each_alone_on_error(batch, lambda seqs: _draft(drafter, seqs), "drafting", on_error)
     drafts = dict(zip(batch, proposed))
     t1 = time.perf_counter()
-    batch, logits = _each_alone_on_error(batch, lambda seqs: _forward(target, cache, seqs, drafts),
+    batch, logits = _each_alone_on_error(batch, lambda seqs: _forward(target, cache, seqs, drafts, drafter),
                                          "the target forward", on_error)
     t2 = time.perf_counter()
     # the draft model runs one shared forward per drafted position: the batch's seconds per token are its draft's,
@@ -72,15 +72,22 @@ def _draft(drafter: Drafter, batch: list[SequenceState]) -> list[Draft]:
                                   for seq in batch])
 
 
-def _forward(target: Transformer, cache, batch: list[SequenceState],
-             drafts: dict[SequenceState, Draft]) -> list[torch.Tensor]:
-    """The target's logits [1 + g, V] of each sequence after [last, draft...], from one forward."""
+def _forward(target: Transformer, cache, batch: list[SequenceState], drafts: dict[SequenceState, Draft],
+             drafter: Drafter) -> list[torch.Tensor]:
+    """The target's logits [1 + g, V] of each sequence after [last, draft...], from one forward; a drafter that
+    reads the target's hidden states observes them."""
     width = 1 + max(len(drafts[s].tokens) for s in batch)
     tokens = torch.tensor([[s.ids[-1]] + drafts[s].tokens + [0] * (width - 1 - len(drafts[s].tokens))
                            for s in batch])  # [B, width]
     start = torch.tensor([len(s.ids) - 1 for s in batch])
     rows = torch.tensor([s.row for s in batch])
-    logits = target(tokens, start, cache, rows=rows)  # [B, width, V]
+    hidden = dict.fromkeys(drafter.feature_layers, torch.empty(0)) if drafter.feature_layers else None
+    logits = target(tokens, start, cache, rows=rows, hidden=hidden)  # [B, width, V]
+    if hidden is not None:
+        features = torch.cat([hidden[n] for n in drafter.feature_layers], -1)  # [B, width, F]
+        for b, s in enumerate(batch):
+            g = len(drafts[s].tokens)
+            drafter.observe(s.row, len(s.ids) - 1, [s.ids[-1]] + drafts[s].tokens, features[b, :1 + g])
     return [logits[b, :len(drafts[s].tokens) + 1] for b, s in enumerate(batch)]
 
 

@@ -36,6 +36,8 @@ def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, wid
     from specdecode.builder import load_draft, target_head_quant
     from specdecode.models.loading import load_model
 
+    if as_draft and is_head(model):
+        return _head(model, context, ks, repeats)
     t = time.perf_counter()
     if as_draft:
         m = load_draft(model, dtype=dtype, quant=quant, vocab=draft_vocab).model
@@ -49,6 +51,56 @@ def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, wid
     start = torch.tensor([context])
     ms = {k: _median_ms(lambda k=k: m(ids[:, context:context + k], start, cache), repeats) for k in ks}
     return {"load_s": load_s, "ms": ms, "head_rows": m.lm_head.out_features}
+
+
+def is_head(path: str) -> bool:
+    """Whether `path` is a drafting head's folder (heads/format.py), not a model."""
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    keys = ('"speculators_model_type"', '"specdecode_head"')
+    return config.is_file() and (Path(path) / "model.safetensors").is_file() and \
+        any(key in config.read_text() for key in keys)
+
+
+def _head(path: str, context: int, ks: list[int], repeats: int) -> dict:
+    """ms to draft k tokens with a trained head after `context` pairs, as its drafter does: an EAGLE-3 head's k
+    layer steps, each with its logits put on the target's vocabulary and its argmax; Medusa's heads all at once
+    (k <= its head count; one call)."""
+    from specdecode.heads.eagle3 import Eagle3Head
+    from specdecode.heads.format import load_head
+
+    t = time.perf_counter()
+    head = load_head(path, None)
+    D, V, ids = head.cfg.hidden_size, head.cfg.target_vocab, head.draft_ids
+
+    def on_target_vocab(logits: torch.Tensor) -> int:
+        full = torch.full((V,), float("-inf"))
+        full[ids] = logits
+        return int(full.argmax())
+
+    if isinstance(head, Eagle3Head):
+        rt = head.runtime()
+        load_s = time.perf_counter() - t
+        cache = rt.new_cache(1, context + max(ks) + 1)
+        rt.step(torch.randn(context, D), torch.randn(context, D), 0, cache, 0)
+        x = torch.randn(1, D)
+
+        def draft(k: int) -> None:
+            o = x
+            for i in range(k):
+                on_target_vocab(rt.logits(o)[0])
+                o = rt.step(o, x, context + i, cache, 0)
+    else:
+        medusa = head.runtime()
+        load_s = time.perf_counter() - t
+
+        def draft(k: int) -> None:
+            logits = medusa.logits(torch.randn(D))
+            for i in range(min(k, len(logits))):
+                on_target_vocab(logits[i])
+    ms = {k: _median_ms(lambda k=k: draft(k), repeats) for k in ks}
+    return {"load_s": load_s, "ms": ms, "head_rows": len(ids)}
 
 
 def _hf(model: str, dtype: str, context: int, ks: list[int], repeats: int) -> dict:

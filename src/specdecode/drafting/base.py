@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.verification.sampling import SamplingParams
+from specdecode.verification.gumbel import gumbel_noise, noisy_scores
+from specdecode.verification.sampling import SamplingParams, processed_probs, sample
 
 if TYPE_CHECKING:
+    from specdecode.heads.format import Head
     from specdecode.models.loading import LoadedModel
 
 
@@ -37,7 +39,14 @@ class Drafter:
     A drafter with a KV cache rolls it back itself by comparing the context with what it cached
     (the context only ever diverges from its last proposal after the accepted prefix). Stateless
     drafters implement `propose`; drafters that gain from batching implement `propose_batch`.
+
+    A drafter that reads the target's hidden states names their layers in `feature_layers` (see
+    `Transformer.forward`'s `hidden`); the engine then hands it every forward's states through `observe`, from the
+    prefill and from each verify forward, rejected draft positions included (the drafter keeps what the context
+    confirms).
     """
+
+    feature_layers: tuple[int, ...] = ()
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         return self.propose_batch([DraftRequest(0, context, gamma, params, generator)])[0]
@@ -49,6 +58,37 @@ class Drafter:
     def reset(self, row: int = 0) -> None:
         """Forget the per-request state of a row (a new request starts there)."""
 
+    def observe(self, row: int, start: int, tokens: list[int], features: torch.Tensor) -> None:
+        """The target's hidden states of `tokens` at positions start.. of a row: [len(tokens), F], F the
+        `feature_layers`' states side by side."""
+
+
+def choose(logits: torch.Tensor, r: DraftRequest, position: int, confidence: bool = True
+           ) -> tuple[int, torch.Tensor | None, float]:
+    """A draft token from logits on the target's vocabulary [V] at `position`: the q it was sampled from (None where
+    verification needs none: greedy, or Gumbel coupling with the noise the target will use there) and its
+    probability (1.0 for greedy unless `confidence`)."""
+    if r.params.greedy:
+        tok = int(logits.argmax())
+        return tok, None, float(torch.softmax(logits, -1)[tok]) if confidence else 1.0
+    q = processed_probs(logits, r.params)
+    if r.params.gumbel:
+        if r.params.seed is None:
+            raise ValueError("Gumbel coupling needs a seed (SpeculativeGenerator.prepare fixes one)")
+        tok = int(noisy_scores(q, gumbel_noise(r.params.seed, [position], len(q))).argmax())
+        return tok, None, float(q[tok])
+    tok = sample(q, r.generator)
+    return tok, q, float(q[tok])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
 
 @dataclass(frozen=True)
 class DraftingSetup:
@@ -56,6 +96,7 @@ class DraftingSetup:
 
     target: LoadedModel
     draft: LoadedModel | None  # loaded only for drafters that need one
+    head: Head | None  # a trained drafting head, for drafters that need one (heads/format.py)
     gamma: int  # the sequence's draft length: fixed, or where chosen lengths start
     chooses_lengths: bool  # whether the cost model chooses each step's length
     max_context: int
@@ -71,5 +112,60 @@ class DrafterSpec:
     help: str  # one line for --help
     build: Callable[[DraftingSetup], Drafter]
     needs_draft_model: bool = False
+    head_kind: str | None = None  # the kind of trained head it drafts with (--draft DIR), if any
     gamma: int = 4  # the default draft length: fixed, or where chosen lengths start
     chooses_lengths: bool = False  # by default the cost model chooses each step's length (0 included)
+
+
+class ObservedFeatures:
+    """Per row, the target's hidden states a drafter has been handed and not yet used: positions start.. with the
+    tokens they were computed for. A new observation from position p replaces whatever was held from p on."""
+
+    def __init__(self, rows: int) -> None:
+        self.start = [0] * rows
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.features: list[torch.Tensor | None] = [None] * rows
+
+    def clear(self, row: int) -> None:
+        self.start[row], self.tokens[row], self.features[row] = 0, [], None
+
+    def observe(self, row: int, start: int, tokens: list[int], features: torch.Tensor) -> None:
+        held = self.features[row]
+        keep = start - self.start[row]
+        if held is None or not 0 <= keep <= len(self.tokens[row]):  # nothing held, or a gap: start over here
+            self.start[row], self.tokens[row], self.features[row] = start, list(tokens), features
+            return
+        self.tokens[row] = self.tokens[row][:keep] + list(tokens)
+        self.features[row] = torch.cat([held[:keep], features])
+
+    def take(self, row: int, context: list[int], first: int, end: int) -> torch.Tensor | None:
+        """The states of positions first..end-1 [end - first, F] if held and computed for the context's tokens there
+        (None otherwise); what is held before `end` is dropped (the caller has used it)."""
+        held, s = self.features[row], self.start[row]
+        if held is None or first < s or end > s + len(self.tokens[row]) or \
+                self.tokens[row][first - s:end - s] != context[first:end]:
+            return None
+        out = held[first - s:end - s]
+        self.start[row], self.tokens[row], self.features[row] = end, self.tokens[row][end - s:], held[end - s:]
+        return out
+
+
+class StatesDrafter(Drafter):
+    """A drafter that reads the target's hidden states (a trained head): it keeps each row's observed states and
+    drafts for the requests of a batch in turn (`propose_one`)."""
+
+    def __init__(self, layers: tuple[int, ...], batch: int) -> None:
+        self.feature_layers = layers
+        self.seen = ObservedFeatures(batch)
+
+    def reset(self, row: int = 0) -> None:
+        self.seen.clear(row)
+
+    def observe(self, row: int, start: int, tokens: list[int], features: torch.Tensor) -> None:
+        self.seen.observe(row, start, tokens, features)
+
+    def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [self.propose_one(r) for r in requests]
+
+    def propose_one(self, r: DraftRequest) -> Draft:
+        raise NotImplementedError

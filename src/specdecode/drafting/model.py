@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafting.base import Draft, Drafter, DrafterSpec, DraftingSetup, DraftRequest
+from specdecode.drafting.base import Draft, Drafter, DrafterSpec, DraftingSetup, DraftRequest, choose, \
+    common_prefix
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.decoder import Transformer
-from specdecode.verification.gumbel import gumbel_noise, noisy_scores
-from specdecode.verification.sampling import processed_probs, sample
 
 
 MAX_SHARED_FEED = 16  # longer feeds (a new prompt) are prefilled row by row, not padded into the shared forward
@@ -61,7 +60,8 @@ class ModelDrafter(Drafter):
             assert logits is not None  # asked for
             still = []
             for r, row_logits in zip(live, logits):
-                tok, q, confidence = self._choose(row_logits, r, position=len(r.context) + len(tokens[r.row]))
+                position = len(r.context) + len(tokens[r.row])
+                tok, q, confidence = choose(row_logits, r, position, bool(self.min_confidence))
                 tokens[r.row].append(tok)
                 if q is not None:
                     qs[r.row].append(q)
@@ -71,21 +71,6 @@ class ModelDrafter(Drafter):
             live = still
         return [Draft(tokens[r.row], torch.stack(qs[r.row]) if qs[r.row] else None)  # None: greedy or Gumbel
                 for r in requests]
-
-    def _choose(self, logits: torch.Tensor, r: DraftRequest, position: int) -> tuple[int, torch.Tensor | None, float]:
-        """The draft token at `position`, the q it was sampled from (None if verification needs none), and its
-        probability."""
-        if r.params.greedy:
-            tok = int(logits.argmax())
-            return tok, None, float(torch.softmax(logits, -1)[tok]) if self.min_confidence else 1.0
-        q = processed_probs(logits, r.params)
-        if r.params.gumbel:  # the noise the target will use here; verification needs no q
-            if r.params.seed is None:
-                raise ValueError("Gumbel coupling needs a seed (SpeculativeGenerator.prepare fixes one)")
-            tok = int(noisy_scores(q, gumbel_noise(r.params.seed, [position], len(q))).argmax())
-            return tok, None, float(q[tok])
-        tok = sample(q, r.generator)
-        return tok, q, float(q[tok])
 
     def _forward(self, rows: list[int], feeds: list[list[int]], logits: bool = True) -> torch.Tensor | None:
         """Feed each row its tokens (padded to the longest); the logits after each row's last real token,
@@ -109,10 +94,7 @@ class ModelDrafter(Drafter):
     def _rollback_to_common_prefix(self, row: int, context: list[int]) -> int:
         """Drop cached ids after the first difference from the context; returns the cached length."""
         cached = self.cached[row]
-        n = min(len(cached), len(context) - 1)  # always re-feed at least the last token
-        i = 0
-        while i < n and cached[i] == context[i]:
-            i += 1
+        i = common_prefix(cached, context[:-1])  # always re-feed at least the last token
         del cached[i:]  # O(1) for the cache itself: a row's length is len(self.cached[row])
         return i
 

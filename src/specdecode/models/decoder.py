@@ -362,7 +362,7 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, num_logits: int | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Run T new tokens per sequence and return their logits.
 
         tokens: [B, T] ids; start: [B] cache length of each sequence before this step (its new
@@ -370,6 +370,9 @@ class Transformer(nn.Module):
         (default: rows 0..B-1). tree_mask: optional [B, T, T] bool, which new tokens
         each new token sees (default causal; a token tree passes its ancestor mask, and positions
         are then start + depth). num_logits: only the last n rows get logits (prefill needs 1).
+        hidden: hidden states to capture, filled in place: its keys name layers, each gets the input of that
+        block ([B, T, D] float32 on the CPU, the real rows only; key num_layers: the last block's output, before
+        the final norm). Learned drafting heads read them; capturing changes no logit.
         Inputs may live on the CPU whatever the model's device; the outputs are on the CPU (the engine
         drafts and verifies there).
         Returns logits [B, n, V] float32.
@@ -380,9 +383,14 @@ class Transformer(nn.Module):
             rows = None  # the first B rows: attention slices the cache instead of gathering it
         if W is not None and T <= W and B > self.max_group:  # bit-exact decode batch: groups of invariant size
             groups = [slice(i, i + self.max_group) for i in range(0, B, self.max_group)]
-            return torch.cat([self.forward(tokens[g], start[g], cache, None if tree_mask is None else tree_mask[g],
-                                           num_logits, torch.arange(B)[g] if rows is None else rows[g])
-                              for g in groups])
+            parts = [{k: torch.empty(0) for k in hidden or {}} for _ in groups]
+            logits = torch.cat([self.forward(tokens[g], start[g], cache, None if tree_mask is None else tree_mask[g],
+                                             num_logits, torch.arange(B)[g] if rows is None else rows[g], part)
+                                for g, part in zip(groups, parts)])
+            if hidden is not None:
+                for k in hidden:
+                    hidden[k] = torch.cat([part[k] for part in parts])
+            return logits
         fused = self.fused_ops and max(T, W or 0) <= FUSED_MAX_ROWS
         if W is not None and T < W and not (fused and self.rows_independent):  # bit-exact: pad to exactly W rows
             tokens = torch.cat([tokens, tokens.new_zeros(B, W - T)], dim=1)
@@ -413,13 +421,21 @@ class Transformer(nn.Module):
             blocks = mask.unsqueeze(1).split(ATTN_BLOCK, dim=-1)
             step = StepInputs(rows, slots, cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype),
                               list(blocks), False)
-        x = self.embed(tokens) if isinstance(self.embed, BlockEmbedding) else self.embed[tokens]
+        x = self.embed_tokens(tokens)
         for i, block in enumerate(self.blocks):
+            if hidden is not None and i in hidden:
+                hidden[i] = x[:, :T].to("cpu", torch.float32, copy=True)
             x = block(x, i, cache, step)
+        if hidden is not None and len(self.blocks) in hidden:
+            hidden[len(self.blocks)] = x[:, :T].to("cpu", torch.float32, copy=True)
         n = T if num_logits is None else min(num_logits, T)
         if n == 0:  # a prefill that only fills the cache: no lm_head
             return torch.zeros(B, 0, self.lm_head.out_features)
         return self._head(x, T, n, fused).cpu()
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., D] in the model's dtype."""
+        return self.embed(tokens) if isinstance(self.embed, BlockEmbedding) else self.embed[tokens]
 
     def _head(self, x: torch.Tensor, T: int, n: int, fused: bool) -> torch.Tensor:
         """Final norm and lm_head for the last n of the T real rows of x [B, Tp, D] -> logits float32."""

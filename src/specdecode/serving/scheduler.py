@@ -161,7 +161,7 @@ class Scheduler:
         self.drafter.reset(req.slot)
         req.seq.row = req.slot
         req.seq.lengths.costs = CostModel(self.gen.costs.timings)
-        req.seq.prefill(self.target, self.cache)
+        req.seq.prefill(self.target, self.cache, self.drafter)
 
     def _finish(self, req: Request, events: Sequence[Event]) -> None:
         """Free the slot first (a client that resubmits at once finds it free), then deliver the last events."""
