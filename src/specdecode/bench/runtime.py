@@ -67,17 +67,19 @@ def _head(path: str, context: int, ks: list[int], repeats: int) -> dict:
     """ms to draft k tokens with a trained head after `context` pairs, as its drafter does: an EAGLE-3 head's k
     layer steps, each with its logits put on the target's vocabulary and its argmax; Medusa's heads all at once
     (k <= its head count; one call)."""
+    from specdecode.drafting.base import DraftRequest, choose_among
     from specdecode.heads.eagle3 import Eagle3Head
     from specdecode.heads.format import load_head
+    from specdecode.verification.sampling import SamplingParams
 
     t = time.perf_counter()
     head = load_head(path, None)
     D, V, ids = head.cfg.hidden_size, head.cfg.target_vocab, head.draft_ids
 
-    def on_target_vocab(logits: torch.Tensor) -> int:
-        full = torch.full((V,), float("-inf"))
-        full[ids] = logits
-        return int(full.argmax())
+    greedy = DraftRequest(0, [], 1, SamplingParams(), torch.Generator())
+
+    def on_target_vocab(logits: torch.Tensor) -> int:  # as the drafters choose a greedy token, with its confidence
+        return choose_among(ids, logits, V, greedy, 0)[0]
 
     if isinstance(head, Eagle3Head):
         rt = head.runtime()

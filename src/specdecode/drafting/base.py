@@ -81,6 +81,18 @@ def choose(logits: torch.Tensor, r: DraftRequest, position: int, confidence: boo
     return tok, q, float(q[tok])
 
 
+def choose_among(ids: torch.Tensor, logits: torch.Tensor, vocab: int, r: DraftRequest, position: int,
+                 confidence: bool = True) -> tuple[int, torch.Tensor | None, float]:
+    """`choose` for logits over some target token ids only (a head's draft vocabulary, ids [Vd], logits [Vd]): the
+    other tokens get probability 0. Greedy stays in the draft vocabulary; sampling puts the logits on the target's."""
+    if r.params.greedy:
+        i = int(logits.argmax())
+        return int(ids[i]), None, float(torch.softmax(logits, -1)[i]) if confidence else 1.0
+    full = torch.full((vocab,), float("-inf"))
+    full[ids] = logits
+    return choose(full, r, position, confidence)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """The length of the longest common prefix of two id lists."""
     n = min(len(a), len(b))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from specdecode.draft_lengths import MAX_GAMMA
-from specdecode.drafting.base import Draft, DrafterSpec, DraftingSetup, DraftRequest, StatesDrafter, choose, \
-    common_prefix
+from specdecode.drafting.base import Draft, DrafterSpec, DraftingSetup, DraftRequest, StatesDrafter, \
+    choose_among, common_prefix
 from specdecode.errors import InvalidRequestError
 from specdecode.heads.eagle3 import Eagle3Head
 from specdecode.models.decoder import Transformer
@@ -52,9 +52,8 @@ class Eagle3Drafter(StatesDrafter):
         qs: list[torch.Tensor] = []
         pos = n  # the head's next cache slot: drafted pairs are written past the confirmed ones, then forgotten
         while True:
-            logits = torch.full((self.vocab,), float("-inf"))
-            logits[self.rt.draft_ids] = self.rt.logits(o)[0]
-            tok, q, confidence = choose(logits, r, len(ctx) + len(tokens), bool(self.min_confidence))
+            tok, q, confidence = choose_among(self.rt.draft_ids, self.rt.logits(o)[0], self.vocab, r,
+                                              len(ctx) + len(tokens), bool(self.min_confidence))
             tokens.append(tok)
             if q is not None:
                 qs.append(q)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafting.base import Draft, DrafterSpec, DraftingSetup, DraftRequest, StatesDrafter, choose
+from specdecode.drafting.base import Draft, DrafterSpec, DraftingSetup, DraftRequest, StatesDrafter, choose_among
 from specdecode.errors import InvalidRequestError
 from specdecode.heads.medusa import MedusaHeads
 from specdecode.models.decoder import Transformer
@@ -27,9 +27,8 @@ class MedusaDrafter(StatesDrafter):
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for k in range(min(r.gamma, self.rt.cfg.num_heads)):
-            logits = torch.full((self.vocab,), float("-inf"))
-            logits[self.rt.draft_ids] = head_logits[k]
-            tok, q, confidence = choose(logits, r, len(r.context) + k, bool(self.min_confidence))
+            tok, q, confidence = choose_among(self.rt.draft_ids, head_logits[k], self.vocab, r, len(r.context) + k,
+                                              bool(self.min_confidence))
             tokens.append(tok)
             if q is not None:
                 qs.append(q)

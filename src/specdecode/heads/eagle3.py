@@ -33,6 +33,8 @@ class Eagle3Config:
     target_vocab: int
     aux_layers: tuple[int, ...]  # the target blocks whose inputs are fused (low, middle, high)
     max_position_embeddings: int
+    fc_norm: bool = True  # an RMSNorm per feature before `fc` (the target's states differ by 100x in size between
+    # depths and tokens: Qwen2's first token is 3000-6500 wide against 20-140 for the others)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -65,6 +67,7 @@ class Eagle3Head(nn.Module):
         D, H, KVH, hd, inter = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         self.register_buffer("draft_ids", draft_ids.to(torch.int64))  # [Vd] target token ids
         self.fc = nn.Linear(len(cfg.aux_layers) * D, D, bias=False)
+        self.fc_norm = nn.ParameterList([nn.Parameter(torch.ones(D)) for _ in cfg.aux_layers] if cfg.fc_norm else [])
         self.input_layernorm = nn.Parameter(torch.ones(D))
         self.hidden_norm = nn.Parameter(torch.ones(D))
         self.q_proj = nn.Linear(2 * D, H * hd, bias=False)
@@ -105,6 +108,13 @@ class Eagle3Head(nn.Module):
         h = rms(x, self.post_attention_layernorm, self.cfg.rms_norm_eps)
         return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., A*D] -> the layer's hidden input [..., D]."""
+        if len(self.fc_norm):
+            aux = torch.cat([rms(a, w, self.cfg.rms_norm_eps) for a, w in zip(aux.chunk(len(self.fc_norm), -1),
+                                                                               self.fc_norm)], -1)
+        return self.fc(aux)
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of layer outputs [..., D] -> [..., Vd]."""
         return self.lm_head(rms(out, self.norm, self.cfg.rms_norm_eps))
@@ -121,7 +131,7 @@ class Eagle3Head(nn.Module):
         B, T, _ = aux.shape
         G = c.num_heads // c.num_kv_heads
         scale = 1.0 / math.sqrt(c.head_dim)
-        hidden = self.fc(aux)
+        hidden = self.fuse(aux)
         pos = torch.arange(T)
         causal = pos.view(-1, 1) >= pos.view(1, -1)  # [T, T]
         keys: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -166,6 +176,7 @@ class Eagle3Runtime:
         self.gate_up = _joined(lin, head.gate_proj, head.up_proj)
         self.norms = {n: getattr(head, n).detach().float() for n in
                       ("input_layernorm", "hidden_norm", "post_attention_layernorm", "norm")}
+        self.fc_norms = [w.detach().float() for w in head.fc_norm]
         self.draft_ids: torch.Tensor = head.draft_ids
 
     def new_cache(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +187,9 @@ class Eagle3Runtime:
     @torch.inference_mode()
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's features [T, A*D] -> the layer's hidden input [T, D]."""
+        if self.fc_norms:
+            aux = torch.cat([rms(a, w, self.cfg.rms_norm_eps) for a, w in zip(aux.chunk(len(self.fc_norms), -1),
+                                                                               self.fc_norms)], -1)
         return self.fc(aux)
 
     @torch.inference_mode()

@@ -59,14 +59,14 @@ def save_head(head: Head, out: Path, *, target: Transformer, target_name: str = 
                 "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
                 "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.target_vocab,
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False},
-            "draft_vocab_size": head.draft_vocab, "norm_before_residual": False,
+            "draft_vocab_size": head.draft_vocab, "norm_before_residual": False, "fc_norm": c.fc_norm,
             "target_hidden_size": tc.hidden_size, "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "verifier": verifier},
             "specdecode": ours}
-        sd = {EAGLE3_NAMES[k]: v for k, v in sd.items()}
+        sd = {EAGLE3_NAMES.get(k, f"{k}.weight"): v for k, v in sd.items()}  # fc_norm.i -> fc_norm.i.weight
     else:
         c2 = head.cfg
         config = {"specdecode_head": "medusa", "hidden_size": c2.hidden_size, "num_heads": c2.num_heads,
@@ -110,12 +110,15 @@ def load_head(path: str | Path, target: Transformer | None) -> Head:
         cfg = Eagle3Config(lc["hidden_size"], lc["num_attention_heads"], lc["num_key_value_heads"],
                            lc.get("head_dim") or lc["hidden_size"] // lc["num_attention_heads"],
                            lc["intermediate_size"], lc["rms_norm_eps"], rope_theta, vocab, tuple(layers),
-                           lc.get("max_position_embeddings", 32768))
+                           lc.get("max_position_embeddings", 32768), bool(config.get("fc_norm", False)))
+        if config.get("norm_before_fc"):
+            raise ModelLoadError(f"the head at {path} has norm_before_fc; heads without it are supported")
         if lc.get("num_hidden_layers", 1) != 1 or config.get("norm_before_residual"):
             raise ModelLoadError(f"the head at {path} has {lc.get('num_hidden_layers')} layers or "
                                  "norm_before_residual; one layer without it is supported")
         head: Head = Eagle3Head(cfg, draft_ids)
-        back = {v: k for k, v in EAGLE3_NAMES.items()}
+        back = {v: k for k, v in EAGLE3_NAMES.items()} | {f"fc_norm.{i}.weight": f"fc_norm.{i}"
+                                                           for i in range(len(layers) if cfg.fc_norm else 0)}
         unknown = set(sd) - set(back)
         if unknown:
             raise ModelLoadError(f"the head at {path} has tensors this EAGLE-3 head does not: {sorted(unknown)[:4]}")
