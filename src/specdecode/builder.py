@@ -149,9 +149,8 @@ def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | Non
     tgt = target if isinstance(target, LoadedModel) else load_target(target, dtype=dtype, device=device,
                                                                      bit_exact=bit_exact, quant=quant)
     dft, head = None, None
-    if spec.head_kind is not None:  # --draft names the head's folder
-        draft_path = draft.source if isinstance(draft, LoadedModel) else draft
-        head = load_drafting_head(spec.head_kind, tgt, draft_path)
+    if spec.head_kind is not None:  # --draft names the head's folder (a loaded draft model is another drafter's)
+        head = load_drafting_head(spec.head_kind, tgt, None if isinstance(draft, LoadedModel) else draft)
     elif spec.needs_draft_model:
         draft = draft or DEFAULT_DRAFT
         dft = draft if isinstance(draft, LoadedModel) else load_draft(draft, dtype=dtype, device=device,

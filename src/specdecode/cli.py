@@ -374,6 +374,8 @@ def torch_threads() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdecode.drafting import registry
+
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -413,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", default=DEFAULT_DRAFT)
     b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "model:g4"], metavar="METHOD",
                    help=f"any of {', '.join(our_kinds() + PEERS)}, optionally :gG (ours), :float32 / :bfloat16 and the "
-                        "target's kernels :none / :gguf / :int8 / :int4 / :w4a8 ...")
+                        "target's kernels :none / :gguf / :int8 / :int4 / :w4a8 ...; eagle3 and medusa draft with "
+                        "the heads train-draft wrote for the target")
     b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="for our methods that name none; auto: as generate's default on this CPU")
     b.add_argument("--quant", default="file", metavar="Q",
@@ -467,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(with the key in $SPECDECODE_API_KEY if it needs one).")
     bs.add_argument("--target", default=DEFAULT_TARGET)
     bs.add_argument("--draft", default=DEFAULT_DRAFT)
-    bs.add_argument("--drafters", nargs="+", default=["none", "model"], choices=["none", "ngram", "model", "hybrid"])
+    bs.add_argument("--drafters", nargs="+", default=["none", "model"], choices=list(registry()),
+                    help="eagle3 and medusa use the heads train-draft wrote for the target")
     bs.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     bs.add_argument("--max-batch", type=int, default=8)
     bs.add_argument("--requests-per-client", type=int, default=2)
@@ -539,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF (llama-cpp-python)")
     rb.add_argument("--draft", default=None, metavar="MODEL",
                     help="also MODEL loaded as a draft (its own lm_head) and its one-token step as a fraction of the "
-                         "targets'")
+                         "targets'; or a trained head's folder (train-draft): its drafted token's cost")
     rb.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="the draft's lm_head: the first N ids")
     rb.set_defaults(func=_runtime_bench)
     return parser
