@@ -71,7 +71,7 @@ def test_method_names_and_baselines():
         parse_methods(["hf-plain:int4"], "float32")
     assert own_baseline("hf-assisted") == "hf-plain" and own_baseline("llama-cpp-prompt-lookup") == "llama-cpp"
     with pytest.raises(InvalidRequestError, match="unknown method"):
-        parse_methods(["medusa"], "float32")
+        parse_methods(["eagle2"], "float32")
     with pytest.raises(InvalidRequestError, match="neither a dtype"):
         parse_methods(["plain:float16"], "float32")
     with pytest.raises(InvalidRequestError, match="twice"):

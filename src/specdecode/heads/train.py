@@ -174,15 +174,6 @@ def new_head(opts: TrainOptions, model: Transformer, draft_ids: torch.Tensor) ->
                                         cfg.num_layers), draft_ids, model.norm)
     head.lm_head.weight.data = lm_head_rows(model, draft_ids)
     head.lm_head.weight.requires_grad_(opts.train_lm_head)
-    if isinstance(head, Eagle3Head):
-        # start as the target's logit lens on its high feature: fc passes the (normalised) last feature through, the
-        # layer adds nothing (o and down are zero) and the final norm is the target's (its weights average 4.6 in
-        # Qwen2.5-1.5B): the untrained head predicts the token after t, not a random one, and learns the shift
-        D = cfg.hidden_size
-        with torch.no_grad():
-            head.fc.weight.zero_()
-            head.fc.weight[:, -D:] = torch.eye(D)
-            head.norm.copy_(model.norm.detach().float())
     return head
 
 
