@@ -4,6 +4,8 @@ speculators format, and heads that do not fit the target."""
 from __future__ import annotations
 
 import json
+from itertools import islice
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from specdecode.drafting.eagle3 import Eagle3Drafter
 from specdecode.drafting.none import NoDrafter
 from specdecode.engine import SpeculativeGenerator
 from specdecode.errors import InvalidRequestError, ModelLoadError
+from specdecode.heads import data
 from specdecode.heads import train as training
 from specdecode.heads.eagle3 import Eagle3Head
 from specdecode.heads.data import greedy_continued
@@ -33,23 +36,53 @@ TINY = dict(seq_len=64, draft_vocab=48, conversations=8, eval_every=4, checkpoin
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_pair, tmp_path_factory):
+def corpus(tmp_path_factory) -> str:
+    """A folder of seeded text in the tiny tokenizer's alphabet (the training text: the same on every machine)."""
+    import random
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(60)]
+    for i in range(12):
+        (root / "sub").mkdir(exist_ok=True)
+        (root / ("sub" if i % 2 else ".") / f"f{i}.txt").write_text(
+            ". ".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(60)))
+    (root / "skipped.bin").write_bytes(bytes(range(256)))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_pair, corpus, tmp_path_factory):
     """An EAGLE-3 head and Medusa heads trained briefly on the tiny target (the same runs the training tests read)."""
     target, _ = tiny_pair
     out = {}
     for kind in ("eagle3", "medusa"):
         d = tmp_path_factory.mktemp(kind)
-        train_draft(target, d, TrainOptions(kind=kind, tokens=64 * 24, **TINY), progress=False)
+        train_draft(target, d, TrainOptions(kind=kind, tokens=64 * 48, text=(corpus,), **TINY), progress=False)
         out[kind] = d
     return out
 
 
-def test_training_lowers_the_loss_and_beats_an_untrained_head(tiny_pair, trained):
+def test_training_lowers_the_loss_and_beats_an_untrained_head(tiny_pair, corpus, trained):
     target, _ = tiny_pair
     for kind, d in trained.items():
         curve = json.loads((d / "curve.json").read_text())
         assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] >= 64 * 24  # a learning curve from the start
-        assert curve[-1]["loss"] < curve[1]["loss"], kind  # the training loss falls
+        # the loss on chunks it trained on, against the same head untrained (this random target's distributions are
+        # near uniform: the cross-entropy's floor, their entropy, is close to where training starts)
+        head = load_head(d, target.model)
+        opts = TrainOptions(kind=kind, text=(corpus,), **TINY)
+        torch.manual_seed(opts.seed)
+        untrained = new_head(opts, target.model, head.draft_ids)
+        convs = json.loads((d / "conversations.json").read_text())["conversations"]
+        feats = training.Features(target.model, training.feature_layers(head), head.draft_ids, opts.seq_len)
+        seen = [feats(c) for c in islice(data.chunks(convs, target.tokenizer, opts.seed, opts.seq_len,
+                                                     (Path(corpus),)), training.HELD_OUT, training.HELD_OUT + 12)]
+        steps = opts.ttt_steps if kind == "eagle3" else opts.medusa_heads
+        with torch.no_grad():
+            losses = [sum(float(training.loss_of(h, target.model, r, steps)) for r in seen)
+                      for h in (head, untrained)]
+        assert losses[0] < 0.995 * losses[1], (kind, losses)  # untrained, they are equal
     # acceptance of greedy chains the target continues itself, against the same head untrained. (An untrained Medusa
     # head is the target's own next-token prediction, zero blocks, which this tiny target's looping continuations
     # already favour: Medusa is held to its loss.)
@@ -63,10 +96,10 @@ def test_training_lowers_the_loss_and_beats_an_untrained_head(tiny_pair, trained
     assert trained_acc[0] > untrained_acc[0] + 0.1, (trained_acc, untrained_acc)
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(tiny_pair, tmp_path):
+def test_a_resumed_run_equals_an_uninterrupted_one(tiny_pair, corpus, tmp_path):
     target, _ = tiny_pair
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    opts = dict(kind="eagle3", **TINY | {"checkpoint_minutes": 0.0})
+    opts = dict(kind="eagle3", text=(corpus,), **TINY | {"checkpoint_minutes": 0.0})
     train_draft(target, straight, TrainOptions(tokens=64 * 8, **opts), progress=False)
     train_draft(target, resumed, TrainOptions(tokens=64 * 4, **opts), progress=False)
     train_draft(target, resumed, TrainOptions(tokens=64 * 8, **opts), progress=False, resume=True)
@@ -82,7 +115,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_pair, tmp_path):
 
 def test_bad_training_options_are_refused(tiny_pair, tmp_path):
     target, _ = tiny_pair
-    for bad in (dict(kind="lookahead"), dict(minutes=0), dict(draft_vocab=3)):
+    for bad in (dict(kind="lookahead"), dict(minutes=0), dict(draft_vocab=3), dict(text=(str(tmp_path / "no"),))):
         with pytest.raises(InvalidRequestError):
             train_draft(target, tmp_path, TrainOptions(**TINY | bad), progress=False)
 
@@ -106,7 +139,8 @@ def test_greedy_with_a_head_equals_plain_greedy(tiny_pair, trained, plain_output
         result = gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[])
         assert result.token_ids == expected, f"prompt {prompt}"
         accepted += result.stats.accepted_tokens
-    assert accepted > 0  # the head's drafts were really used
+    # the head's drafts were really used (chosen lengths follow measured timings, which may choose not to draft)
+    assert accepted > 0 or adaptive
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])

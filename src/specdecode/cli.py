@@ -343,7 +343,8 @@ def _train_draft(args: argparse.Namespace) -> int:
     from specdecode.heads.train import TrainOptions, train_draft
 
     opts = TrainOptions(kind=args.kind, minutes=args.minutes, tokens=args.tokens, seed=args.seed,
-                        draft_vocab=args.draft_vocab, conversations=args.conversations)
+                        draft_vocab=args.draft_vocab, conversations=args.conversations,
+                        text=tuple(str(t) for t in args.text))
     opts.check()  # before the slow load
     target = load_target(args.target, dtype=args.dtype, quant=args.quant)
     out = args.out or default_head_dir(target, args.kind)
@@ -485,10 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=_bench_serve)
 
     td = sub.add_parser("train-draft", help="train a drafting head (EAGLE-3 or Medusa) for a target on this CPU",
-                        description="Self-distillation: the target writes conversations, reads local text (the "
-                                    "Python installation's sources and docs) and the head learns the target's own "
-                                    "next-token distribution from its hidden states. Prints a learning curve "
-                                    "(held-out acceptance per draft position); checkpoints every 5 minutes.")
+                        description="Self-distillation: the target writes conversations, reads local text "
+                                    "(--text, else the Python installation's sources and docs) and the head learns "
+                                    "the target's own next-token distribution from its hidden states. Prints a "
+                                    "learning curve (held-out acceptance per draft position); checkpoints every 5 "
+                                    "minutes.")
     td.add_argument("--target", default=DEFAULT_TARGET)
     td.add_argument("--kind", choices=["eagle3", "medusa"], default="eagle3")
     td.add_argument("--out", type=Path, default=None,
@@ -501,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the head's vocabulary: the N most frequent tokens of the training text (default 16384)")
     td.add_argument("--conversations", type=int, default=48,
                     help="conversations the target writes itself before training (default 48)")
+    td.add_argument("--text", type=Path, action="append", default=[], metavar="PATH",
+                    help="a file or folder of training text, e.g. your code base (repeatable; default: the Python "
+                         "installation's sources and docs)")
     td.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     td.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="the target's, as generate's (default auto)")

@@ -2,8 +2,9 @@
 
 - Conversations the target writes: it composes a user turn from its chat template's user prefix (sampled), then
   answers it (greedy and sampled in turn), generated in batches through the engine's own decode step.
-- Local text: source files and documentation of the Python installation (standard library and installed packages,
-  this package and its benchmark data excluded), in a seeded order.
+- Local text: the user's own files and folders where given (their code base, their documents), else the source
+  files and documentation of the Python installation (standard library and installed packages, this package and its
+  benchmark data excluded); in a seeded order.
 Both come as chunks of token ids; the head learns the target's distribution on them, not the text's next tokens.
 """
 
@@ -98,15 +99,17 @@ def _generate(gen: SpeculativeGenerator, prompts: list[list[int]], params: list[
 
 
 @functools.cache
-def local_files(seed: int) -> list[Path]:
-    """Text files of this Python installation in a seeded order (this package and its benchmark data excluded)."""
-    paths = sysconfig.get_paths()
-    roots = sorted({Path(paths["stdlib"]), Path(paths["purelib"])})
+def local_files(seed: int, roots: tuple[Path, ...] = ()) -> list[Path]:
+    """Text files under `roots` (files or folders; default: this Python installation, this package and its benchmark
+    data excluded) in a seeded order."""
+    if not roots:
+        paths = sysconfig.get_paths()
+        roots = tuple(sorted({Path(paths["stdlib"]), Path(paths["purelib"])}))
     own = Path(__file__).resolve().parents[1]
     files = []
     for root in roots:
-        for f in sorted(root.rglob("*")):
-            if f.suffix in SUFFIXES and own not in f.resolve().parents and f.is_file():
+        for f in [root] if root.is_file() else sorted(root.rglob("*")):
+            if (f == root or f.suffix in SUFFIXES) and own not in f.resolve().parents and f.is_file():
                 try:
                     if f.stat().st_size <= MAX_FILE_BYTES:
                         files.append(f)
@@ -116,9 +119,9 @@ def local_files(seed: int) -> list[Path]:
     return files
 
 
-def text_chunks(tokenizer, seed: int, length: int) -> Iterator[list[int]]:
+def text_chunks(tokenizer, seed: int, length: int, roots: tuple[Path, ...] = ()) -> Iterator[list[int]]:
     """Windows of `length` tokens from the local files, in a seeded order."""
-    for f in local_files(seed):
+    for f in local_files(seed, roots):
         try:
             text = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -129,11 +132,11 @@ def text_chunks(tokenizer, seed: int, length: int) -> Iterator[list[int]]:
                 yield ids[i:i + length]
 
 
-def chunks(conversations: list[list[int]], tokenizer, seed: int, length: int, text_per_conversation: int = 2
-           ) -> Iterator[list[int]]:
+def chunks(conversations: list[list[int]], tokenizer, seed: int, length: int, roots: tuple[Path, ...] = (),
+           text_per_conversation: int = 2) -> Iterator[list[int]]:
     """The training stream: each conversation (cut to `length`), then `text_per_conversation` text chunks, until
     the conversations run out; then text only."""
-    text = text_chunks(tokenizer, seed, length)
+    text = text_chunks(tokenizer, seed, length, roots)
     for conv in conversations:
         yield conv[:length]
         for _ in range(text_per_conversation):

@@ -54,6 +54,7 @@ class TrainOptions:
     buffer: int = 4  # chunks kept for replay
     eval_every: int = 16  # chunks between learning-curve points
     checkpoint_minutes: float = 5.0
+    text: tuple[str, ...] = ()  # files or folders of training text (default: the Python installation's)
 
     def check(self) -> None:
         if self.kind not in KINDS:
@@ -62,6 +63,8 @@ class TrainOptions:
             raise InvalidRequestError("--minutes and --tokens must be positive")
         if self.draft_vocab < 16 or self.seq_len < data.MIN_CHUNK:
             raise InvalidRequestError(f"--draft-vocab must be >= 16 and the chunk length >= {data.MIN_CHUNK}")
+        if missing := [t for t in self.text if not Path(t).exists()]:
+            raise InvalidRequestError(f"--text: no such file or folder: {', '.join(missing)}")
 
 
 def embed(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
@@ -222,7 +225,7 @@ def train_draft(target: LoadedModel, out: Path, opts: TrainOptions, *, resume: b
                                                            opts.conversations, opts.seed, wrote)
 
     def stream():
-        return data.chunks(convs, tok, opts.seed, opts.seq_len)
+        return data.chunks(convs, tok, opts.seed, opts.seq_len, tuple(Path(t).resolve() for t in opts.text))
 
     if state is None:
         counts = data.token_counts(stream(), model.config.vocab_size, opts.vocab_tokens)
