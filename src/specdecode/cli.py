@@ -127,7 +127,10 @@ def _generate(args: argparse.Namespace) -> int:
         s = result.stats
         print(f"\n[{s.new_tokens} tokens in {s.total_seconds:.2f}s, {s.tokens_per_second:.2f} tok/s | "
               f"{s.target_forward_passes} target passes, mean accepted length {s.mean_accepted_length:.2f}, "
-              f"acceptance {s.acceptance_rate:.1%} | draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s | "
+              f"acceptance {s.acceptance_rate:.1%}"
+              + (f", trees of {s.nodes_per_draft:.1f} tokens kept {s.accepted_per_draft:.2f} deep" if s.tree_drafts
+                 else "")
+              + f" | draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s | "
               f"finish: {result.finish_reason} | {out['target']['cpu_class']} CPU: target in "
               f"{out['target']['dtype']}, {out['target']['quant']} linears, {out['target']['lm_head']} lm_head "
               f"({', '.join(kernel_names)}), {'C++' if model.fused_ops else 'PyTorch'} decode ops, "

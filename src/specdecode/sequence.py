@@ -14,6 +14,7 @@ from specdecode.models.decoder import Transformer
 from specdecode.stats import GenerationStats
 from specdecode.stop_strings import StopStrings
 from specdecode.verification.sampling import SamplingParams
+from specdecode.verification.tree import verify_tree
 from specdecode.verification.verify import verify
 
 
@@ -52,6 +53,7 @@ class SequenceState:
         self.generator = params.generator()
         self.stats = GenerationStats(prompt_tokens=len(ids))
         self.out: list[int] = []
+        self.kept: list[int] = []  # the draft nodes the last step kept, in order
         self.text = ""  # emitted so far: `decoded`'s text less what is held back as a possible stop string
         self.stops = StopStrings(stop)
         self.decoded = IncrementalText(tokenizer)
@@ -77,15 +79,24 @@ class SequenceState:
         return self.lengths.next(room=self.max_new - len(self.out) - 1)
 
     def accept(self, logits: torch.Tensor, draft: Draft) -> list[TokenEvent]:
-        """Verify `draft` against the target's logits [1, g + 1, V] after [last, draft...], then commit."""
-        tokens = torch.tensor([draft.tokens], dtype=torch.int64)  # [1, g]
-        accepted, nxt = verify(logits, tokens, draft.probs, self.params, self.generator, position=len(self.ids))
-        return self.commit(draft.tokens, accepted, nxt)
+        """Verify `draft` against the target's logits [1, g + 1, V] after [last, draft...], then commit; `kept`
+        names the nodes kept."""
+        if draft.is_tree:
+            assert draft.parents is not None
+            self.kept, nxt = verify_tree(logits[0], draft.tokens, draft.parents, draft.probs, self.params,
+                                         self.generator, position=len(self.ids))
+        else:
+            tokens = torch.tensor([draft.tokens], dtype=torch.int64)  # [1, g]
+            accepted, nxt = verify(logits, tokens, draft.probs, self.params, self.generator, position=len(self.ids))
+            self.kept = list(range(accepted))
+        self.stats.record_step(len(draft.tokens), len(self.kept), max(draft.depths(), default=0))
+        return self.commit([draft.tokens[i] for i in self.kept], nxt)
 
-    def commit(self, draft_tokens: list[int], accepted: int, nxt: int) -> list[TokenEvent]:
-        self.stats.record_step(len(draft_tokens), accepted)
+    def commit(self, kept: list[int], nxt: int) -> list[TokenEvent]:
+        """Append the kept draft tokens and the next token (up to a stop)."""
+        accepted = len(kept)
         events = []
-        for i, tok in enumerate(draft_tokens[:accepted] + [nxt]):
+        for i, tok in enumerate(kept + [nxt]):
             if tok in self.eos:
                 self.finish = "stop"
                 break

@@ -12,12 +12,13 @@ from specdecode.errors import InvalidRequestError
 
 @functools.cache
 def registry() -> dict[str, DrafterSpec]:
-    """Every drafter by name: adding one is adding a module here."""
+    """Every drafter by name: adding one is adding a module here (each DrafterSpec it defines: a drafter and its
+    variants, such as a tree of the same drafter)."""
     specs = {}
     for module in pkgutil.iter_modules(__path__):
-        spec = getattr(importlib.import_module(f"{__name__}.{module.name}"), "SPEC", None)
-        if spec is not None:
-            specs[spec.name] = spec
+        for spec in vars(importlib.import_module(f"{__name__}.{module.name}")).values():
+            if isinstance(spec, DrafterSpec):
+                specs[spec.name] = spec
     return dict(sorted(specs.items()))
 
 

@@ -18,8 +18,32 @@ if TYPE_CHECKING:
 
 @dataclass
 class Draft:
+    """A chain of drafted tokens, or a tree of them (`parents`): the target verifies every node in one forward."""
+
     tokens: list[int]  # [g], g <= gamma (may be 0: nothing worth proposing)
     probs: torch.Tensor | None  # [g, V_target] q each token was sampled from; None = deterministic (point mass)
+    parents: list[int] | None = None  # tree: [g] each node's parent node, -1 the context's last token; None: a chain
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Each node's depth [g]: 1 for a child of the context's last token."""
+        out: list[int] = []
+        for i, p in enumerate(self.parents if self.parents is not None else range(-1, len(self.tokens) - 1)):
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[1 + g, 1 + g] bool: which of [last, nodes...] each sees (itself, its ancestors and the last token)."""
+        g = len(self.tokens)
+        m = torch.eye(1 + g, dtype=torch.bool)
+        m[:, 0] = True
+        parents = self.parents if self.parents is not None else list(range(-1, g - 1))
+        for i, p in enumerate(parents):
+            m[i + 1] |= m[p + 1]
+        return m
 
 
 @dataclass

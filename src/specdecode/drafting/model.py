@@ -45,13 +45,7 @@ class ModelDrafter(Drafter):
         # a plain step (gamma 0) reads nothing: the row's next draft catches up on what it skipped, so a draft
         # model that an adaptive draft length rarely asks costs nothing in between (not even the prompt)
         drafting = [r for r in requests if r.gamma > 0]
-        feeds: dict[int, list[int]] = {}  # row -> tokens not yet in its cache (at least the last context token)
-        for r in drafting:
-            feed = r.context[self._rollback_to_common_prefix(r.row, r.context):]
-            if len(feed) > MAX_SHARED_FEED:  # a new prompt: prefill it alone, leave the last token to the batch
-                self._forward([r.row], [feed[:-1]], logits=False)
-                feed = feed[-1:]
-            feeds[r.row] = feed
+        feeds = self._catch_up(drafting)
         tokens: dict[int, list[int]] = {r.row: [] for r in requests}
         qs: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests}
         live = drafting
@@ -72,6 +66,18 @@ class ModelDrafter(Drafter):
         return [Draft(tokens[r.row], torch.stack(qs[r.row]) if qs[r.row] else None)  # None: greedy or Gumbel
                 for r in requests]
 
+    def _catch_up(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
+        """Each row's tokens not yet in its cache (at least the last context token), a long feed (a new prompt)
+        prefilled alone but for its last token: row -> tokens to feed."""
+        feeds: dict[int, list[int]] = {}
+        for r in requests:
+            feed = r.context[self._rollback_to_common_prefix(r.row, r.context):]
+            if len(feed) > MAX_SHARED_FEED:
+                self._forward([r.row], [feed[:-1]], logits=False)
+                feed = feed[-1:]
+            feeds[r.row] = feed
+        return feeds
+
     def _forward(self, rows: list[int], feeds: list[list[int]], logits: bool = True) -> torch.Tensor | None:
         """Feed each row its tokens (padded to the longest); the logits after each row's last real token,
         on the target's vocabulary: [len(rows), V_target]."""
@@ -85,10 +91,14 @@ class ModelDrafter(Drafter):
         if not logits:
             return None
         last = out[torch.arange(len(rows)), torch.tensor([len(f) - 1 - (width - n) for f in feeds])]  # [B', V_draft]
-        # q lives on the target's vocabulary: drop the draft's padding rows, zero-pad to the target's size
-        v = min(last.shape[-1], self.target_vocab)
-        padded = torch.full((len(rows), self.target_vocab), float("-inf"))
-        padded[:, :v] = last[:, :v]
+        return self._on_target_vocab(last)
+
+    def _on_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_draft] -> [..., V_target]: q lives on the target's vocabulary (the draft's padding rows dropped,
+        the target's extra ids -inf)."""
+        v = min(logits.shape[-1], self.target_vocab)
+        padded = torch.full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+        padded[..., :v] = logits[..., :v]
         return padded
 
     def _rollback_to_common_prefix(self, row: int, context: list[int]) -> int:

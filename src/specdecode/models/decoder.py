@@ -35,7 +35,7 @@ from specdecode.models.linear import DenseLinear, Linear, invariant_rows, kernel
     restore_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
-FUSED_MAX_ROWS = 16  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
+FUSED_MAX_ROWS = 32  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
 ROPE_CHUNK = 1024  # positions per chunk of the cos / sin tables
 
 
@@ -75,6 +75,17 @@ class KVCache:
     @property
     def batch(self) -> int:
         return self.k.shape[1]
+
+    def move(self, row: int, src: list[int], dst: range) -> None:
+        """Copy the keys and values of slots `src` to slots `dst` of a row, in order (a token tree's kept path goes
+        to the slots right after the context; each source lies at or after its destination). Keys are stored
+        rotated at their positions, which a path keeps."""
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if pairs:
+            s_idx = torch.tensor([s for s, _ in pairs], device=self.k.device)
+            d_idx = torch.tensor([d for _, d in pairs], device=self.k.device)
+            for t in (self.k, self.v):
+                t[:, row, :, d_idx] = t[:, row, :, s_idx]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
