@@ -109,6 +109,24 @@ def test_methods_interleave_agree_and_summary_arithmetic(tiny_pair, questions_fi
     assert s["model"]["acceptance_by_position"] and all(0 <= a <= 1 for a in s["model"]["acceptance_by_position"])
 
 
+def test_a_second_turn_follows_plain_decodings_first_answer(tiny_pair, questions_file):
+    target, _ = tiny_pair
+    methods = _methods(tiny_pair)[:1] + [EngineMethod("suffix", build_generator(target, drafter="suffix"))]
+    qs = load_questions(questions_file, per_category=1)
+    gen = methods[0].generator
+    rows = run(qs, methods, lambda p: gen.encode(p, chat=True), [], max_new_tokens=10, progress=False, turns=2,
+               decode=lambda ids: gen.tokenizer.decode(ids))
+    assert len(rows) == 2 * 2 * len(qs) and all(r["mismatch_at"] is None for r in rows)
+    for q in qs:
+        first, second = [r for r in rows if r["question_id"] == q.question_id and r["method"] == "plain"]
+        assert (first["turn"], second["turn"], second["category"]) == (1, 2, f"{q.category}, turn 2")
+        conversation = [{"role": "user", "content": q.turns[0]},
+                        {"role": "assistant", "content": gen.tokenizer.decode(first["token_ids"])},
+                        {"role": "user", "content": q.turns[1]}]
+        assert second["prompt_tokens"] == len(gen.encode(conversation))
+    assert set(summarize(rows)["methods"]["suffix"]["categories"]) >= {"qa, turn 2", "math, turn 2"}
+
+
 @pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
 def test_sampled_runs_check_only_coupled_outputs(tiny_pair, questions_file, coupling):
     methods = _methods(tiny_pair, coupling)

@@ -13,6 +13,7 @@ import torch
 from specdecode.builder import build_generator
 from specdecode.draft_lengths import GammaSchedule
 from specdecode.drafting.base import Draft, DraftRequest
+from specdecode.drafting.lookahead import LookaheadDrafter
 from specdecode.drafting.ngram import NgramDrafter
 from specdecode.drafting.none import NoDrafter
 from specdecode.drafting.suffix import SuffixCache, SuffixDrafter
@@ -267,3 +268,35 @@ def test_the_draft_models_trees_keep_greedy_and_gumbel_output(tiny_pair, gamma):
             assert result.token_ids == plain.generate(p, max_new_tokens=NEW_TOKENS, eos_ids=[], **request).token_ids
             trees, accepted = trees + result.stats.tree_drafts, accepted + result.stats.accepted_tokens
     assert trees > 0 and accepted > 0
+
+
+def test_lookahead_is_lossless_and_drafts_from_its_pool(tiny_pair):
+    """Greedy and Gumbel-coupled output equal plain decoding's, alone and in the server's batch; the pool's n-grams
+    (from the target's iterates on the window) get accepted."""
+    target, _ = tiny_pair
+    plain = build_generator(target, drafter="none")
+    gen = build_generator(target, drafter="lookahead", gamma=8)
+    accepted = 0
+    for i, p in enumerate(random_prompts(10, 64, seed=10)):
+        for request in (dict(), dict(temperature=0.8, top_p=0.9, seed=i, coupling="gumbel")):
+            result = gen.generate(p, max_new_tokens=NEW_TOKENS, eos_ids=[], **request)
+            assert result.token_ids == plain.generate(p, max_new_tokens=NEW_TOKENS, eos_ids=[], **request).token_ids
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0
+    scheduler = build_scheduler(target, drafter="lookahead", max_batch=3, gamma=8)
+    requests = [dict(prompt=p, max_new_tokens=30) for p in random_prompts(6, 64, seed=12)]
+    for r, b in zip(requests, _run_batched(scheduler, requests)):
+        assert b.token_ids == plain.generate(**r).token_ids
+
+
+def test_lookahead_pools_the_targets_iterate():
+    drafter = LookaheadDrafter()
+    g, params = torch.Generator(), SamplingParams()
+    (d,) = drafter.propose_batch([DraftRequest(0, [1, 2, 3, 4], 8, params, g)])
+    assert d.tokens[:4] == [1, 2, 3, 4]  # the first window: the context's tokens, as guesses
+    # the target: 9 after the context, then 8, 7, 6 after the guesses; it kept nothing
+    drafter.verified(0, d, [9, 8, 7, 6, 5] + [0] * (len(d.tokens) - 4), kept=[])
+    (d,) = drafter.propose_batch([DraftRequest(0, [1, 2, 3, 4, 9], 8, params, g)])
+    assert d.tokens[:4] == [8, 7, 6, 5]  # the window moved on: the target's iterate after position 4
+    assert drafter.pools[0][4] == {(9, 8, 7): None} and (1, ) not in drafter.pools[0]
+    assert drafter.pools[0][1] == {(8, 7, 6): None}  # the guess 1 at position 4 was followed by 8 (then 7, 6)

@@ -192,7 +192,7 @@ def _bench(args: argparse.Namespace) -> int:
                             categories=args.categories,
                             per_category=args.per_category or None, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, repeats=args.repeats, out=args.out,
-                            bit_exact=args.bit_exact, coupling=args.coupling)
+                            bit_exact=args.bit_exact, coupling=args.coupling, turns=args.turns)
     print(markdown_table(summary))
     print(f"\nwritten to {args.out}/: results.jsonl, summary.json, table.md, *.png")
     ours = our_kinds()
@@ -439,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked against plain)")
     _add_coupling_arg(b)
     b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--turns", type=int, choices=[1, 2], default=1,
+                   help="2: each question's second turn follows its first (plain decoding's answer in the "
+                        "conversation), reported as category 'CATEGORY, turn 2': drafting from earlier answers")
     b.add_argument("--out", type=Path, default=Path("bench_out"))
     b.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
     b.add_argument("--report", action="store_true",

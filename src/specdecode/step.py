@@ -62,6 +62,8 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
             log.exception("verification failed for one sequence")
             on_error(seq, exc)
             continue
+        if drafter.reads_verify:
+            drafter.verified(seq.row, draft, seq_logits.argmax(-1).tolist(), seq.kept)
         if features is not None:  # the states of the last token and the kept path
             drafter.observe(seq.row, start, seq.ids[start:start + 1 + len(seq.kept)],
                             features[[0] + [1 + i for i in seq.kept]])

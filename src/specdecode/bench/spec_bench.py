@@ -22,7 +22,8 @@ REFERENCE = "plain"  # our plain decoding in the bench's dtype: every speedup an
 class Question:
     question_id: int
     category: str
-    prompt: str  # first turn only, as Spec-Bench's single-turn speed runs do
+    prompt: str  # the first turn: Spec-Bench's single-turn speed runs use it alone
+    turns: tuple[str, ...] = ()  # every turn (MT-Bench's questions have two)
 
 
 def load_questions(path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
@@ -44,7 +45,7 @@ def load_questions(path: Path = DEFAULT_QUESTIONS, categories: list[str] | None 
             continue
         if per_category is not None and taken[cat] >= per_category:
             continue
-        picked.append((taken[cat], i, Question(int(r["question_id"]), cat, r["turns"][0])))
+        picked.append((taken[cat], i, Question(int(r["question_id"]), cat, r["turns"][0], tuple(r["turns"]))))
         taken[cat] += 1
     # round robin over categories: a run cut short still covers every category evenly
     return [q for _, _, q in sorted(picked, key=lambda t: t[:2])]
@@ -64,11 +65,16 @@ def own_baseline(name: str) -> str:
     return family + sep + dtype
 
 
-def run(questions: list[Question], methods: list[Method], encode: Callable[[str], list[int]], eos_ids: list[int], *,
-        max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1, out: Path | None = None,
-        progress: bool = True) -> list[dict]:
+def run(questions: list[Question], methods: list[Method], encode: Callable[[str | list[dict]], list[int]],
+        eos_ids: list[int], *, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,
+        out: Path | None = None, progress: bool = True, turns: int = 1,
+        decode: Callable[[list[int]], str] | None = None) -> list[dict]:
     """Every method on every question, interleaved (A B C, A B C, ...) so drift hits all alike; one warm-up
     run per method first, not counted. Rows are appended to `out/results.jsonl` as they come.
+
+    turns 2: each question's second turn follows its first (a conversation: the first turn, plain decoding's
+    answer to it through `decode`, the second turn), as its own row (category "CATEGORY, turn 2"); questions
+    without a second turn have one row.
 
     Outputs are checked against plain decoding where they must equal it: every method when greedy, our
     methods when sampling with Gumbel coupling (the peers' samples are not coupled)."""
@@ -80,19 +86,30 @@ def run(questions: list[Question], methods: list[Method], encode: Callable[[str]
     for m in methods:
         m.run(prompts[questions[0].question_id], 8, temperature, 0, eos_ids)
     rows: list[dict] = []
+    first: dict[int, list[int]] = {}  # plain decoding's answer to each first turn
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("spec-bench", total=len(questions) * len(methods) * repeats)
+        count = sum(min(turns, max(len(q.turns), 1)) for q in questions)
+        task = bar.add_task("spec-bench", total=count * len(methods) * repeats)
         for rep in range(repeats):
-            for q in questions:
+            for q, turn in [(q, t) for q in questions for t in range(min(turns, max(len(q.turns), 1)))]:
+                ids = prompts[q.question_id]
+                if turn:
+                    assert decode is not None, "a second turn needs the first answer's text"
+                    ids = encode([{"role": "user", "content": q.turns[0]},
+                                  {"role": "assistant", "content": decode(first[q.question_id])},
+                                  {"role": "user", "content": q.turns[1]}])
                 done: dict[str, list[int]] = {}
                 for m in methods:
                     bar.update(task, description=f"q{q.question_id} {m.name}")
-                    r = m.run(prompts[q.question_id], max_new_tokens, temperature, q.question_id * 1000 + rep, eos_ids)
+                    r = m.run(ids, max_new_tokens, temperature, q.question_id * 1000 + rep + 100 * turn, eos_ids)
                     done[m.name] = r.token_ids
-                    row = {"question_id": q.question_id, "category": q.category, "method": m.name, "repeat": rep,
-                           "prompt_tokens": len(prompts[q.question_id]), "new_tokens": len(r.token_ids),
+                    if m.name == REFERENCE and not turn:
+                        first[q.question_id] = r.token_ids
+                    row = {"question_id": q.question_id, "turn": turn + 1,
+                           "category": q.category + (f", turn {turn + 1}" if turn else ""), "method": m.name,
+                           "repeat": rep, "prompt_tokens": len(ids), "new_tokens": len(r.token_ids),
                            "seconds": r.seconds, "target_forward_passes": r.target_forward_passes,
                            "drafted_by_position": r.drafted_by_position,
                            "accepted_by_position": r.accepted_by_position, "draft_seconds": r.draft_seconds,
@@ -111,12 +128,12 @@ def run(questions: list[Question], methods: list[Method], encode: Callable[[str]
 
 
 def complete_rows(rows: list[dict]) -> list[dict]:
-    """The rows of (question, repeat) pairs that every method finished: what a run cut short can report."""
+    """The rows of (question, turn, repeat) that every method finished: what a run cut short can report."""
     methods = {r["method"] for r in rows}
     done: dict[tuple, set] = defaultdict(set)
     for r in rows:
-        done[(r["question_id"], r.get("repeat", 0))].add(r["method"])
-    return [r for r in rows if done[(r["question_id"], r.get("repeat", 0))] == methods]
+        done[(r["question_id"], r.get("turn", 1), r.get("repeat", 0))].add(r["method"])
+    return [r for r in rows if done[(r["question_id"], r.get("turn", 1), r.get("repeat", 0))] == methods]
 
 
 def _speed(rs: list[dict]) -> float:
@@ -222,7 +239,7 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "auto
               questions_path: Path = DEFAULT_QUESTIONS, categories: list[str] | None = None,
               per_category: int | None = 2, max_new_tokens: int = 128, temperature: float = 0.0, repeats: int = 1,
               out: Path = Path("bench_out"), bit_exact: bool = True, coupling: str = "rejection",
-              progress: bool = True, log=print) -> dict:
+              progress: bool = True, turns: int = 1, log=print) -> dict:
     """The whole `specdecode bench`: load, run interleaved, write results.jsonl, summary.json, table.md, PNGs.
     dtype 'auto': the target's, as `generate` chooses it on this CPU (for the methods that name none)."""
     import datetime
@@ -238,6 +255,8 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "auto
     SamplingParams(temperature, coupling=coupling)
     if max_new_tokens <= 0 or repeats <= 0 or (per_category is not None and per_category <= 0):
         raise InvalidRequestError("--max-new-tokens, --repeats and --per-category must be >= 1")
+    if turns not in (1, 2):
+        raise InvalidRequestError(f"--turns must be 1 or 2, got {turns}")
     dtype = resolve_dtype(dtype, VERIFY_WIDTH)
     specs = parse_methods(methods, dtype, quant)
     questions = load_questions(questions_path, categories, per_category)
@@ -258,12 +277,13 @@ def benchmark(*, target: str, draft: str, methods: list[str], dtype: str = "auto
               "gamma": gamma, "methods": [m.name for m in built],
               "categories": sorted({q.category for q in questions}), "prompts": len(questions),
               "max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
-              "bit_exact": bit_exact, "coupling": coupling}
+              "bit_exact": bit_exact, "coupling": coupling, "turns": turns}
     (out / "run.json").write_text(json.dumps({"config": config, "machine": machine}, indent=2))
     assert isinstance(built[0], EngineMethod)  # parse_methods puts our plain decoding first
     reference = built[0].generator  # our plain decoding: its tokenizer and chat template encode every prompt
     run(questions, built, lambda p: reference.encode(p, chat=True), sorted(reference.eos_ids),
-        max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, out=out, progress=progress)
+        max_new_tokens=max_new_tokens, temperature=temperature, repeats=repeats, out=out, progress=progress,
+        turns=turns, decode=lambda ids: reference.tokenizer.decode(ids, skip_special_tokens=True))
     return report(out)
 
 

@@ -65,12 +65,13 @@ class Drafter:
     drafters implement `propose`; drafters that gain from batching implement `propose_batch`.
 
     A drafter that reads the target's hidden states names their layers in `feature_layers` (see
-    `Transformer.forward`'s `hidden`); the engine then hands it every forward's states through `observe`, from the
-    prefill and from each verify forward, rejected draft positions included (the drafter keeps what the context
-    confirms).
+    `Transformer.forward`'s `hidden`); the engine then hands it the states of the prefill and, after each verify
+    forward, those of the context's last token and the kept draft tokens (`observe`). A drafter that learns from
+    the target's guesses at its drafted tokens (lookahead) sets `reads_verify` and gets them through `verified`.
     """
 
     feature_layers: tuple[int, ...] = ()
+    reads_verify: bool = False  # whether `verified` wants the target's greedy tokens at each drafted node
 
     def propose(self, context: list[int], gamma: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         return self.propose_batch([DraftRequest(0, context, gamma, params, generator)])[0]
@@ -85,6 +86,10 @@ class Drafter:
     def observe(self, row: int, start: int, tokens: list[int], features: torch.Tensor) -> None:
         """The target's hidden states of `tokens` at positions start.. of a row: [len(tokens), F], F the
         `feature_layers`' states side by side."""
+
+    def verified(self, row: int, draft: Draft, best: list[int], kept: list[int]) -> None:
+        """After a step (for drafters that set `reads_verify`): the target's argmax after the context's last token
+        and after each node of `draft` (best: [1 + g]), and the nodes it kept."""
 
 
 def choose(logits: torch.Tensor, r: DraftRequest, position: int, confidence: bool = True
