@@ -3,6 +3,8 @@ kernels, whole models."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -208,6 +210,15 @@ def test_native_forward_is_invariant_to_the_step_width(native_pair) -> None:
 @pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 def test_native_greedy_speculative_equals_plain(native_pair, drafter) -> None:
     assert_greedy_speculative_equals_plain(*native_pair[:2], drafter, gammas=(1, 4, None), prompts=8)
+
+
+def test_native_tree_nodes_get_their_paths_logits(native_pair) -> None:
+    from tests.test_trees import assert_tree_rows_equal_chains, random_parents
+
+    rnd = random.Random(1)
+    for n, shape in ((3, "star"), (5, "binary"), (8, "random")):
+        assert_tree_rows_equal_chains(native_pair[0].model, [rnd.randrange(64) for _ in range(rnd.randint(1, 300))],
+                                      7, [rnd.randrange(64) for _ in range(n)], random_parents(n, shape, rnd))
 
 
 def test_the_packed_cache_gives_the_same_model(native_pair) -> None:

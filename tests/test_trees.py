@@ -85,6 +85,25 @@ def test_trees_of_up_to_16_nodes(tiny_pair, dtype):
                                           [rnd.randrange(64) for _ in range(n)], random_parents(n, shape, rnd))
 
 
+def test_without_the_cpp_decode_ops_trees_are_cut_to_their_first_path(tiny_pair, monkeypatch):
+    """PyTorch's attention sums a block's keys in an order that depends on where they sit: a bit-exact target without
+    the C++ decode ops verifies each tree's first path only, and stays bit-exact."""
+    target, _ = tiny_pair
+    monkeypatch.setattr(target.model, "fused_ops", False)
+    assert not target.model.exact_trees
+    plain = SpeculativeGenerator(target.model, NoDrafter(), target.tokenizer)
+    gen = SpeculativeGenerator(target.model, NgramDrafter(tree=True), target.tokenizer, GammaSchedule(6))
+    accepted = 0
+    for prompt in random_prompts(8, 64, seed=3):
+        result = gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[])
+        assert result.token_ids == plain.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids
+        assert result.stats.tree_drafts == 0
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0
+    tree = Draft([1, 2, 3, 4], torch.eye(8)[[1, 2, 3, 4]], [-1, -1, 0, 2])
+    assert tree.first_path().tokens == [1, 3, 4] and torch.equal(tree.first_path().probs, torch.eye(8)[[1, 3, 4]])
+
+
 def test_a_trie_of_continuations_is_drafted_heaviest_first():
     d = tree_draft([([5, 6, 7], 1.0), ([5, 8], 2.0), ([9], 1.0)], budget=4)
     assert d.tokens == [5, 8, 6, 7] and d.parents == [-1, 0, 0, 2]  # 5 (3.0), 8 (2.0), then 6 before 9 by order
@@ -228,6 +247,18 @@ def test_the_suffix_cache_holds_its_bound_and_evicts_the_least_recent():
     assert list(cache.seqs) == [sids[-3], sids[-1]] and cache.tokens == 71
 
 
+def test_requests_still_decoding_are_never_evicted():
+    cache = SuffixCache(max_tokens=50)
+    active = cache.new()
+    cache.active.add(active)
+    cache.extend(active, list(range(40)))
+    past = cache.new()
+    cache.extend(past, list(range(30)))  # over the bound, but nothing else to evict
+    assert list(cache.seqs) == [active, past] and cache.tokens == 70
+    cache.extend(active, list(range(20)))  # the past request goes, not the active one, though it alone exceeds it
+    assert list(cache.seqs) == [active] and cache.tokens == 60
+
+
 def test_suffix_drafts_come_from_earlier_requests():
     drafter = SuffixDrafter(batch=2)
     g, params = torch.Generator(), SamplingParams()
@@ -236,6 +267,10 @@ def test_suffix_drafts_come_from_earlier_requests():
     drafter.reset(0)
     (d,) = drafter.propose_batch([DraftRequest(1, [40, 41, 5, 6], 4, params, g)])  # another row, another request
     assert d.tokens == [7, 8, 9, 10]
+    drafter.forget()  # as a new process
+    drafter.reset(1)
+    (d,) = drafter.propose_batch([DraftRequest(1, [40, 41, 5, 6], 4, params, g)])
+    assert d.tokens == []
 
 
 @pytest.mark.parametrize("drafter", ["suffix", "suffix-chain"])
@@ -252,8 +287,11 @@ def test_suffix_drafting_is_lossless_alone_and_batched(tiny_pair, drafter):
     assert result.stats.accepted_tokens >= NEW_TOKENS // 2  # the second time, it drafts its own earlier answer
     scheduler = build_scheduler(target, drafter=drafter, max_batch=3, gamma=8)
     requests = [dict(prompt=p, max_new_tokens=30) for p in prompts]
-    for r, b in zip(requests, _run_batched(scheduler, requests + requests)):
+    batched = _run_batched(scheduler, requests + requests)
+    for r, b in zip(requests + requests, batched):
         assert b.token_ids == plain.generate(**r).token_ids
+    assert sum(b.stats.accepted_tokens for b in batched[len(requests):]) > \
+        sum(b.stats.accepted_tokens for b in batched[:len(requests)])  # the repeats draft the earlier answers
 
 
 @pytest.mark.parametrize("gamma", [2, 6])
@@ -298,5 +336,7 @@ def test_lookahead_pools_the_targets_iterate():
     drafter.verified(0, d, [9, 8, 7, 6, 5] + [0] * (len(d.tokens) - 4), kept=[])
     (d,) = drafter.propose_batch([DraftRequest(0, [1, 2, 3, 4, 9], 8, params, g)])
     assert d.tokens[:4] == [8, 7, 6, 5]  # the window moved on: the target's iterate after position 4
-    assert drafter.pools[0][4] == {(9, 8, 7): None} and (1, ) not in drafter.pools[0]
+    assert set(drafter.pools[0]) == {4, 1, 2, 3}  # keyed by the token each iterate's n-gram followed
+    assert drafter.pools[0][4] == {(9, 8, 7): None}  # after the context's last token: 9, then 8 and 7
     assert drafter.pools[0][1] == {(8, 7, 6): None}  # the guess 1 at position 4 was followed by 8 (then 7, 6)
+    assert drafter.pools[0][3] == {(6, 5): None}

@@ -70,16 +70,19 @@ class CostModel:
     def start_sequence(self) -> None:
         self.drafted_last = False
 
-    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float | None) -> None:
-        """One step: its forward's width and seconds, the tokens drafted and accepted, the seconds drafting took
-        (None: the step's drafting also did other work, such as another sequence catching up on its context)."""
+    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float | None,
+                depth: int | None = None) -> None:
+        """One step: its forward's width and seconds, the tokens drafted (a tree's nodes) and accepted, the seconds
+        drafting took (None: the step's drafting also did other work, such as another sequence catching up on its
+        context), and how deep the draft went (a chain: its length): a draft kept to its depth had no rejection."""
+        depth = drafted if depth is None else depth
         steady = drafted and self.drafted_last  # and draft_s is not None: no catching up on the context
         self.timings.observe(width, forward_s, draft_s / drafted if steady and draft_s is not None else None)
         self.drafted_tokens += drafted
         if drafted:
             d = self.decay if self.probe_step else self.acceptance_decay
             self.accepted = d * self.accepted + accepted
-            self.rejected = d * self.rejected + (accepted < drafted)
+            self.rejected = d * self.rejected + (accepted < depth)
         self.drafted_last = drafted > 0
 
     def best_gamma(self, maximum: int) -> int | None:
@@ -151,6 +154,7 @@ class DraftLengths:
         self.gamma = self.gamma if chosen is None else chosen
         return min(self.gamma, room)
 
-    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float | None) -> None:
-        self.costs.observe(width, forward_s, drafted, accepted, draft_s)
-        self.gamma = self.schedule.next(self.gamma, drafted, accepted)
+    def observe(self, width: int, forward_s: float, drafted: int, accepted: int, draft_s: float | None,
+                depth: int | None = None) -> None:
+        self.costs.observe(width, forward_s, drafted, accepted, draft_s, depth)
+        self.gamma = self.schedule.next(self.gamma, drafted if depth is None else depth, accepted)

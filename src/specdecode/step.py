@@ -39,6 +39,8 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
     degenerate distribution never fails the others (a sequence gives the same bits alone or batched)."""
     t0 = time.perf_counter()
     batch, proposed = _each_alone_on_error(batch, lambda seqs: _draft(drafter, seqs), "drafting", on_error)
+    if not target.exact_trees:  # this target's trees would not give each node its chain's bits: first paths only
+        proposed = [d.first_path() for d in proposed]
     drafts = dict(zip(batch, proposed))
     t1 = time.perf_counter()
     batch, outputs = _each_alone_on_error(batch, lambda seqs: _forward(target, cache, seqs, drafts, drafter),
@@ -56,22 +58,23 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
             events = seq.accept(seq_logits.unsqueeze(0), draft)
             if draft.is_tree:  # the kept path's keys and values move to the slots right after the context
                 cache.move(seq.row, [start + 1 + i for i in seq.kept], range(start + 1, start + 1 + len(seq.kept)))
+            if drafter.reads_verify:
+                drafter.verified(seq.row, draft, seq_logits.argmax(-1).tolist(), seq.kept)
+            if features is not None:  # the states of the last token and the kept path
+                drafter.observe(seq.row, start, [seq.ids[start]] + [draft.tokens[i] for i in seq.kept],
+                                features[[0] + [1 + i for i in seq.kept]])
         except Exception as exc:
             if on_error is None:
                 raise
             log.exception("verification failed for one sequence")
             on_error(seq, exc)
             continue
-        if drafter.reads_verify:
-            drafter.verified(seq.row, draft, seq_logits.argmax(-1).tolist(), seq.kept)
-        if features is not None:  # the states of the last token and the kept path
-            drafter.observe(seq.row, start, seq.ids[start:start + 1 + len(seq.kept)],
-                            features[[0] + [1 + i for i in seq.kept]])
         seq.stats.draft_seconds += t1 - t0  # each sequence waits for the whole batch's drafting
         seq.stats.verify_seconds += t2 - t1
         drafted = len(draft.tokens)
         seq.lengths.observe(width, t2 - t1, drafted, seq.stats.accepted_tokens - accepted_before,
-                            (t1 - t0) * drafted / longest if steady and longest else None)
+                            (t1 - t0) * drafted / longest if steady and longest else None, max(draft.depths(),
+                                                                                                default=0))
         done.append((seq, events))
     return done
 

@@ -94,6 +94,10 @@ class EngineMethod:
         return RunOutput(r.token_ids, time.perf_counter() - t, s.target_forward_passes, s.drafted_by_position,
                          s.accepted_by_position, s.draft_seconds)
 
+    def forget(self) -> None:
+        """Start over as a new process: drafters that learn across requests (suffix) forget them."""
+        self.generator.drafter.forget()
+
 
 def parse_methods(names: list[str], default_dtype: str, default_quant: str = "file") -> list[MethodSpec]:
     """`plain` (our plain decoding in the default dtype and quant) first: the reference; then the other plain methods

@@ -76,6 +76,8 @@ def run(questions: list[Question], methods: list[Method], encode: Callable[[str 
     answer to it through `decode`, the second turn), as its own row (category "CATEGORY, turn 2"); questions
     without a second turn have one row.
 
+    Drafters that learn across requests (suffix) start each repeat knowing nothing, not even the warm-up.
+
     Outputs are checked against plain decoding where they must equal it: every method when greedy, our
     methods when sampling with Gumbel coupling (the peers' samples are not coupled)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -93,6 +95,9 @@ def run(questions: list[Question], methods: list[Method], encode: Callable[[str 
         count = sum(min(turns, max(len(q.turns), 1)) for q in questions)
         task = bar.add_task("spec-bench", total=count * len(methods) * repeats)
         for rep in range(repeats):
+            for m in methods:
+                if isinstance(m, EngineMethod):
+                    m.forget()
             for q, turn in [(q, t) for q in questions for t in range(min(turns, max(len(q.turns), 1)))]:
                 ids = prompts[q.question_id]
                 if turn:

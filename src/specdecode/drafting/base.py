@@ -28,6 +28,17 @@ class Draft:
     def is_tree(self) -> bool:
         return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
 
+    def first_path(self) -> Draft:
+        """The chain from the root through each node's first child (a tree's drafters put their likeliest first)."""
+        if not self.is_tree:
+            return self
+        assert self.parents is not None
+        path, at = [], -1
+        while (child := next((i for i, p in enumerate(self.parents) if p == at), None)) is not None:
+            path.append(child)
+            at = child
+        return Draft([self.tokens[i] for i in path], None if self.probs is None else self.probs[path])
+
     def depths(self) -> list[int]:
         """Each node's depth [g]: 1 for a child of the context's last token."""
         out: list[int] = []
@@ -86,6 +97,9 @@ class Drafter:
     def observe(self, row: int, start: int, tokens: list[int], features: torch.Tensor) -> None:
         """The target's hidden states of `tokens` at positions start.. of a row: [len(tokens), F], F the
         `feature_layers`' states side by side."""
+
+    def forget(self) -> None:
+        """Forget what was learned from earlier requests (the suffix cache), as a new process would know nothing."""
 
     def verified(self, row: int, draft: Draft, best: list[int], kept: list[int]) -> None:
         """After a step (for drafters that set `reads_verify`): the target's argmax after the context's last token

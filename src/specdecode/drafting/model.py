@@ -109,15 +109,16 @@ class ModelDrafter(Drafter):
         return i
 
 
-def build(setup: DraftingSetup, min_confidence: float | None = None) -> ModelDrafter:
-    """The draft model of `setup`, checked against the target's tokenizer."""
+def build(setup: DraftingSetup, min_confidence: float | None = None, kind: type[ModelDrafter] = ModelDrafter
+          ) -> ModelDrafter:
+    """The draft model of `setup`, checked against the target's tokenizer (kind: this drafter or one built on it)."""
     if setup.draft is None:
         raise InvalidRequestError("this drafter needs a draft model (--draft)")
     check_same_tokenizer(setup.target.tokenizer, setup.draft.tokenizer)
     if min_confidence is None:
         min_confidence = MIN_CONFIDENCE if setup.chooses_lengths else 0.0
-    return ModelDrafter(setup.draft.model, setup.target.model.config.vocab_size, setup.max_context,
-                        min_confidence=min_confidence, batch=setup.batch)
+    return kind(setup.draft.model, setup.target.model.config.vocab_size, setup.max_context,
+                min_confidence=min_confidence, batch=setup.batch)
 
 
 SPEC = DrafterSpec("model", "a smaller model with the same tokenizer drafts autoregressively", build,

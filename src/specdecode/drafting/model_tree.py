@@ -82,9 +82,8 @@ class ModelTreeDrafter(ModelDrafter):
         return probs, probs
 
 
-def build(setup: DraftingSetup) -> ModelTreeDrafter:
-    chain = build_chain(setup)
-    return ModelTreeDrafter(chain.model, chain.target_vocab, chain.max_len, chain.min_confidence, len(chain.cached))
+def build(setup: DraftingSetup) -> ModelDrafter:
+    return build_chain(setup, kind=ModelTreeDrafter)
 
 
 SPEC = DrafterSpec("model-tree", "the draft model drafts a token tree (its most likely paths, EAGLE-2's expansion)",

@@ -2,7 +2,8 @@
 prompts and answers of earlier requests included, shared by all the server's sequences. Agentic and multi-turn work
 repeats itself across requests; prompt lookup only sees the current one.
 
-The cache holds whole sequences (each request's context as it grows), an LRU bounded in tokens, and an index from
+The cache holds whole sequences (each request's context as it grows), an LRU bounded in tokens (requests still
+decoding are never evicted: the bound holds unless they alone exceed it), and an index from
 each KEY-token window to where it occurs (the most recent MAX_PER_KEY per window). To draft, it finds the windows
 equal to the context's last KEY tokens, measures how far back each match goes (up to MAX_MATCH tokens) and merges
 what followed them into a token tree: a continuation weighs the sum of its matches' lengths (frequent continuations
@@ -25,7 +26,7 @@ MAX_TOKENS = 1 << 18  # tokens the cache holds by default (262144: tens of MB wi
 
 class SuffixCache:
     """Token sequences and an index of their KEY-token windows, least recently extended evicted first once more
-    than `max_tokens` are held (a sequence being extended is never evicted)."""
+    than `max_tokens` are held; `active` sequences (requests still decoding) are never evicted."""
 
     def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
         if max_tokens < 1:
@@ -34,6 +35,7 @@ class SuffixCache:
         self.seqs: OrderedDict[int, list[int]] = OrderedDict()  # least recently extended first
         self.index: dict[tuple[int, ...], dict[tuple[int, int], None]] = {}  # window -> {(sequence, end): None}
         self.tokens = 0
+        self.active: set[int] = set()
         self._next = 0
 
     def new(self) -> int:
@@ -52,8 +54,11 @@ class SuffixCache:
                 if len(at) > MAX_PER_KEY:
                     del at[next(iter(at))]
         self.tokens += len(tokens)
-        while self.tokens > self.max_tokens and next(iter(self.seqs)) != sid:
-            self.evict(next(iter(self.seqs)))
+        if self.tokens > self.max_tokens:
+            for old in [s for s in self.seqs if s not in self.active and s != sid]:  # least recent first
+                self.evict(old)
+                if self.tokens <= self.max_tokens:
+                    break
 
     def evict(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
@@ -71,11 +76,12 @@ class SuffixCache:
         if len(context) < KEY or length <= 0:
             return []
         found: list[tuple[list[int], float]] = []
-        tail = context[::-1][:MAX_MATCH]
+        tail = context[-MAX_MATCH:][::-1]
         for sid, end in reversed(self.index.get(tuple(context[-KEY:]), {})):
             seq = self.seqs[sid]
             if end < len(seq):  # not the context's own end
-                found.append((seq[end:end + length], float(common_prefix(seq[end - 1::-1][:MAX_MATCH], tail))))
+                before = seq[max(end - MAX_MATCH, 0):end][::-1]
+                found.append((seq[end:end + length], float(common_prefix(before, tail))))
         return found
 
 
@@ -89,7 +95,13 @@ class SuffixDrafter(Drafter):
         self.rows: list[int | None] = [None] * batch  # each row's sequence in the cache
 
     def reset(self, row: int = 0) -> None:
-        self.rows[row] = None  # what it held stays in the cache: the next requests draft from it
+        sid = self.rows[row]
+        self.cache.active.discard(sid)  # what it held stays in the cache: the next requests draft from it
+        self.rows[row] = None
+
+    def forget(self) -> None:
+        self.cache = SuffixCache(self.cache.max_tokens)
+        self.rows = [None] * len(self.rows)
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         return [self._propose(r) for r in requests]
@@ -106,8 +118,10 @@ class SuffixDrafter(Drafter):
     def _sync(self, row: int, context: list[int]) -> None:
         sid = self.rows[row]
         seq = self.cache.seqs.get(sid) if sid is not None else None
-        if sid is None or seq is None or common_prefix(seq, context) < len(seq):  # new, evicted or not its prefix
+        if sid is None or seq is None or context[:len(seq)] != seq:  # new, evicted or not its prefix
+            self.cache.active.discard(sid)
             sid = self.rows[row] = self.cache.new()
+            self.cache.active.add(sid)
             seq = []
         if len(context) > len(seq):
             self.cache.extend(sid, context[len(seq):])

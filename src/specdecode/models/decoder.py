@@ -474,6 +474,13 @@ class Transformer(nn.Module):
             self._rope_sin = torch.cat([self._rope_sin, emb.sin()])
         return self._rope_cos, self._rope_sin
 
+    @property
+    def exact_trees(self) -> bool:
+        """Whether a token tree's nodes get their paths' bits in a decode forward: not in bit-exact mode, or with the
+        C++ decode ops (their attention sums the visible keys in slot order; PyTorch's reductions depend on where a
+        key sits in its block, and a tree's ancestors sit at other slots than its path's)."""
+        return self.decode_width is None or (self.fused_ops and self.decode_width <= FUSED_MAX_ROWS)
+
     @cached_property
     def rows_independent(self) -> bool:
         """Whether every linear of the blocks computes each row independently of the others (by construction)."""
