@@ -85,12 +85,13 @@ def fresh_registries(monkeypatch):
 
 
 def test_the_drafters_and_kernels_are_the_modules_declarations():
-    assert set(registry()) == {"eagle3", "hybrid", "medusa", "model", "ngram", "none"}
-    assert [name for name, spec in registry().items() if spec.needs_draft_model] == ["hybrid", "model"]
+    assert set(registry()) == {"eagle3", "hybrid", "lookahead", "medusa", "model", "model-tree", "ngram",
+                               "ngram-tree", "none", "suffix", "suffix-chain"}
+    assert [name for name, spec in registry().items() if spec.needs_draft_model] == ["hybrid", "model", "model-tree"]
     assert {name: spec.head_kind for name, spec in registry().items() if spec.head_kind} == \
         {"eagle3": "eagle3", "medusa": "medusa"}
-    assert {name for name, spec in registry().items() if spec.chooses_lengths} == {"eagle3", "medusa", "model",
-                                                                                   "ngram"}
+    assert {name for name, spec in registry().items() if spec.chooses_lengths} == {
+        "eagle3", "medusa", "model", "model-tree", "ngram", "ngram-tree", "suffix", "suffix-chain"}
     assert list(kernels())[0] == "none"
     assert set(kernels()) == {"none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w6a8", "w8a8", "gguf",
                               "gguf-int8"}

@@ -340,3 +340,37 @@ def test_lookahead_pools_the_targets_iterate():
     assert drafter.pools[0][4] == {(9, 8, 7): None}  # after the context's last token: 9, then 8 and 7
     assert drafter.pools[0][1] == {(8, 7, 6): None}  # the guess 1 at position 4 was followed by 8 (then 7, 6)
     assert drafter.pools[0][3] == {(6, 5): None}
+
+
+class _Scripted:
+    """A stand-in draft model whose next-token probabilities depend only on the last token fed at each row."""
+
+    def __init__(self, table: dict[int, list[float]], vocab: int) -> None:
+        self.table, self.vocab = table, vocab
+
+    def __call__(self, tokens, start, cache, tree_mask=None, rows=None, num_logits=None):
+        out = torch.full((*tokens.shape, self.vocab), -30.0)
+        for b in range(tokens.shape[0]):
+            for t in range(tokens.shape[1]):
+                probs = self.table.get(int(tokens[b, t]), [1.0 / self.vocab] * self.vocab)
+                out[b, t] = torch.tensor(probs).clamp_min(1e-12).log()
+        return out if num_logits is None else out[:, tokens.shape[1] - num_logits:]
+
+
+def test_the_draft_models_tree_spends_its_budget_on_its_likeliest_paths():
+    from specdecode.drafting.model_tree import ModelTreeDrafter
+
+    V = 8
+    confident = {1: [0, 0, .95, .05, 0, 0, 0, 0], 2: [0, 0, 0, .9, .1, 0, 0, 0], 3: [0, 0, 0, 0, .9, .1, 0, 0]}
+    unsure = {1: [0, 0, .5, .4, .1, 0, 0, 0], 2: [0, 0, 0, 0, .6, .4, 0, 0], 3: [0, 0, 0, 0, .7, .3, 0, 0]}
+    for table, expected_tokens, expected_parents in (
+            (confident, [2, 3, 4], [-1, 0, 1]),  # a chain: 0.95, 0.855, 0.77 beat the siblings (0.05, 0.095)
+            (unsure, [2, 3, 4], [-1, -1, 0])):  # siblings 0.5 and 0.4, then 2's child 4 (0.3) over 3's (0.28)
+        drafter = ModelTreeDrafter.__new__(ModelTreeDrafter)
+        model = _Scripted(table, V)
+        drafter.model, drafter.target_vocab, drafter.max_len, drafter.min_confidence = model, V, 100, 0.0
+        drafter.cache = type("C", (), {"capacity": 200})()
+        drafter.cached = [[0, 1]]
+        d = drafter._tree(DraftRequest(0, [0, 1], 3, SamplingParams(), torch.Generator()),
+                          model(torch.tensor([[1]]), None, None)[0, 0])
+        assert (d.tokens, d.parents) == (expected_tokens, expected_parents)

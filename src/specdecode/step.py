@@ -39,7 +39,7 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
     degenerate distribution never fails the others (a sequence gives the same bits alone or batched)."""
     t0 = time.perf_counter()
     batch, proposed = _each_alone_on_error(batch, lambda seqs: _draft(drafter, seqs), "drafting", on_error)
-    if not target.exact_trees:  # this target's trees would not give each node its chain's bits: first paths only
+    if any(d.is_tree for d in proposed) and not target.exact_trees:  # a node would not get its path's bits here
         proposed = [d.first_path() for d in proposed]
     drafts = dict(zip(batch, proposed))
     t1 = time.perf_counter()

@@ -1,12 +1,13 @@
-"""The draft model drafts a token tree (EAGLE-2's expansion, Li et al. 2024, with a small model): from the root (the
-context's last token) it keeps, level by level, the BEAM most likely paths among the TOP_K best children of the
-last level's nodes (likelihood = the draft's path probability), until the node budget is spent. One draft forward
-per level feeds the tree so far with its ancestor mask.
+"""The draft model drafts a token tree (EAGLE-2's dynamic tree, Li et al. 2024, with a small model). Level by level it
+expands the BEAM likeliest new nodes (likelihood = the draft's path probability), each into its TOP_K likeliest
+children, one draft forward per level over the nodes expanded so far (their ancestor mask); then it drafts the
+`budget` likeliest nodes of all it saw, a node only with its parent. A confident draft so drafts a chain, an
+unsure one siblings, within the same node budget.
 
 Every node is a point mass for verification (the target keeps a node with its own probability of it; a
-deterministic choice of candidates, as the draft's top-k, is exact that way): greedy picks the draft's top-k,
-Gumbel coupling the top-k of the draft's noisy scores at that position (its first is the chain's choice), sampling
-the top-k of the draft's processed distribution.
+deterministic choice of candidates, as the draft's top-k, is exact that way): greedy ranks by the draft's
+probabilities, Gumbel coupling by the draft's noisy scores at that position (its first is the chain's choice),
+sampling by the draft's processed distribution.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.sampling import processed_probs
 
 TOP_K = 4  # children considered per expanded node
-BEAM = 2  # nodes kept per level
+BEAM = 2  # nodes expanded per level
 MIN_PATH_PROBABILITY = 0.05  # with chosen lengths, paths the draft finds less likely than this are not drafted
 
 
@@ -38,35 +39,45 @@ class ModelTreeDrafter(ModelDrafter):
         return [out.get(r.row, Draft([], None)) for r in requests]
 
     def _tree(self, r: DraftRequest, root_logits: torch.Tensor) -> Draft:
-        start = len(self.cached[r.row])  # the context is cached: the tree goes to the slots after it
+        start = len(self.cached[r.row])  # the context is cached: expanded nodes go to the slots after it
         budget = min(r.gamma, self.cache.capacity - start)
-        tokens: list[int] = []
-        parents: list[int] = []
-        depth: list[int] = []
-        frontier = [(-1, root_logits, 0.0)]  # (node, its logits [V_target], log path probability)
-        while frontier and len(tokens) < budget:
-            candidates = []
-            for node, logits, logp in frontier:
-                probs, ranking = self._ranked(logits, r, len(r.context) + (depth[node] if node >= 0 else 0))
+        # every node seen: (log path probability, token, parent's index in `seen` or -1, depth)
+        seen: list[tuple[float, int, int, int]] = []
+        fed: list[int] = []  # indices in `seen` of the nodes fed to the draft model, in feeding order
+        frontier = [(-1, root_logits)]  # (index in `seen`, its logits [V_target]) of the nodes just expanded
+        while frontier:
+            new = []
+            for at, logits in frontier:
+                logp, depth = (seen[at][0], seen[at][3]) if at >= 0 else (0.0, 0)
+                probs, ranking = self._ranked(logits, r, len(r.context) + depth)
                 for x in ranking.topk(min(TOP_K, len(ranking))).indices.tolist():
                     if probs[x] > 0:
-                        candidates.append((logp + math.log(float(probs[x])), node, x))
-            candidates.sort(key=lambda c: -c[0])
-            keep = candidates[:min(BEAM, budget - len(tokens))]
-            if self.min_confidence and tokens:
-                keep = [c for c in keep if c[0] >= math.log(MIN_PATH_PROBABILITY)]
-            first = len(tokens)
-            for logp, node, x in keep:
-                tokens.append(x)
-                parents.append(node)
-                depth.append(1 if node < 0 else depth[node] + 1)
-            if not keep or len(tokens) >= budget:
+                        new.append(len(seen))
+                        seen.append((logp + math.log(float(probs[x])), x, at, depth + 1))
+            new.sort(key=lambda i: -seen[i][0])
+            expand = [i for i in new[:BEAM] if seen[i][3] < budget
+                      and not (self.min_confidence and seen[i][0] < math.log(MIN_PATH_PROBABILITY))]
+            if not expand:
                 break
-            draft = Draft(tokens, None, parents)
-            mask = draft.ancestor_mask()[1:, 1:].unsqueeze(0)  # among the nodes; the root is in the cache
-            logits = self.model(torch.tensor([tokens]), torch.tensor([start]), self.cache, tree_mask=mask,
-                                rows=torch.tensor([r.row]))[0]  # [n, V_draft]
-            frontier = [(first + i, self._on_target_vocab(logits[first + i]), keep[i][0]) for i in range(len(keep))]
+            fed += expand
+            position = {i: k for k, i in enumerate(fed)}
+            draft = Draft([seen[i][1] for i in fed], None, [position.get(seen[i][2], -1) for i in fed])
+            mask = draft.ancestor_mask()[1:, 1:].unsqueeze(0)  # among the fed nodes; the root is in the cache
+            logits = self.model(torch.tensor([draft.tokens]), torch.tensor([start]), self.cache, tree_mask=mask,
+                                rows=torch.tensor([r.row]))[0]  # [len(fed), V_draft]
+            frontier = [(i, self._on_target_vocab(logits[position[i]])) for i in expand]
+        # the budget's likeliest nodes, each after its parent (a child is never likelier than its parent)
+        index: dict[int, int] = {-1: -1}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for i in sorted(range(len(seen)), key=lambda i: (-seen[i][0], seen[i][3])):
+            if len(tokens) >= budget:
+                break
+            likely = not self.min_confidence or seen[i][0] >= math.log(MIN_PATH_PROBABILITY)
+            if seen[i][2] in index and (likely or not tokens):  # with chosen lengths, unlikely paths are left
+                index[i] = len(tokens)
+                tokens.append(seen[i][1])
+                parents.append(index[seen[i][2]])
         return Draft(tokens, None, parents)
 
     @staticmethod

@@ -7,10 +7,11 @@ position p sees cache slots j <= p, or the slots its tree mask allows).
 
 Bit-exact mode (`decode_width=W`): a token's logits must not depend on how many tokens share its
 forward. Two ways, chosen per model:
-- Row-invariant by construction: forwards of up to FUSED_MAX_ROWS tokens run RMSNorm, rotary attention
-  and SiLU * up as C++ ops that compute every row by the same fixed operations (kernels/decode_ops.py,
-  AVX-512 or AVX2 + FMA CPUs); with linears that do the same (int4-amx, int8-amx, w4a8, w6a8, w8a8) no row is
-  padded. A dense lm_head still gets its fixed shape of W rows (its kernel's order depends on the row count).
+- Row-invariant by construction: forwards of up to FUSED_MAX_ROWS tokens (decode forwards up to
+  W <= FUSED_MAX_WIDTH) run RMSNorm, rotary attention and SiLU * up as C++ ops that compute every row by the
+  same fixed operations (kernels/decode_ops.py, AVX-512 or AVX2 + FMA CPUs); with linears that do the same
+  (int4-amx, int8-amx, w4a8, w6a8, w8a8) no row is padded. A dense lm_head still gets its fixed shape of W rows
+  (its kernel's order depends on the row count).
 - Padding: otherwise every forward of T <= W tokens is padded to exactly W rows, so a plain 1-token
   step and a (1 + gamma)-token verify step run the same kernels on the same shapes. The PyTorch
   attention walks the cache in fixed blocks of `ATTN_BLOCK` keys in a fixed order (online softmax), so
@@ -35,7 +36,8 @@ from specdecode.models.linear import DenseLinear, Linear, invariant_rows, kernel
     restore_linear
 
 ATTN_BLOCK = 256  # keys per attention block; cache capacity is a multiple of it
-FUSED_MAX_ROWS = 32  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
+FUSED_MAX_ROWS = 16  # forwards of up to this many tokens per sequence use the C++ decode ops where they run
+FUSED_MAX_WIDTH = 32  # and a bit-exact target's decode forwards (up to its width: a token tree's nodes) up to this
 ROPE_CHUNK = 1024  # positions per chunk of the cos / sin tables
 
 
@@ -402,7 +404,7 @@ class Transformer(nn.Module):
                 for k in hidden:
                     hidden[k] = torch.cat([part[k] for part in parts])
             return logits
-        fused = self.fused_ops and max(T, W or 0) <= FUSED_MAX_ROWS
+        fused = self.fused_ops and (W <= FUSED_MAX_WIDTH if W is not None and T <= W else T <= FUSED_MAX_ROWS)
         if W is not None and T < W and not (fused and self.rows_independent):  # bit-exact: pad to exactly W rows
             tokens = torch.cat([tokens, tokens.new_zeros(B, W - T)], dim=1)
             if tree_mask is not None:
@@ -479,7 +481,7 @@ class Transformer(nn.Module):
         """Whether a token tree's nodes get their paths' bits in a decode forward: not in bit-exact mode, or with the
         C++ decode ops (their attention sums the visible keys in slot order; PyTorch's reductions depend on where a
         key sits in its block, and a tree's ancestors sit at other slots than its path's)."""
-        return self.decode_width is None or (self.fused_ops and self.decode_width <= FUSED_MAX_ROWS)
+        return self.decode_width is None or (self.fused_ops and self.decode_width <= FUSED_MAX_WIDTH)
 
     @cached_property
     def rows_independent(self) -> bool:
