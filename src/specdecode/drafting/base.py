@@ -25,6 +25,11 @@ class Draft:
     parents: list[int] | None = None  # tree: [g] each node's parent node, -1 the context's last token; None: a chain
 
     @property
+    def parent_of(self) -> list[int]:
+        """Each node's parent [g], a chain's too (node i - 1)."""
+        return self.parents if self.parents is not None else list(range(-1, len(self.tokens) - 1))
+
+    @property
     def is_tree(self) -> bool:
         return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
 
@@ -42,7 +47,7 @@ class Draft:
     def depths(self) -> list[int]:
         """Each node's depth [g]: 1 for a child of the context's last token."""
         out: list[int] = []
-        for i, p in enumerate(self.parents if self.parents is not None else range(-1, len(self.tokens) - 1)):
+        for p in self.parent_of:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
@@ -51,8 +56,7 @@ class Draft:
         g = len(self.tokens)
         m = torch.eye(1 + g, dtype=torch.bool)
         m[:, 0] = True
-        parents = self.parents if self.parents is not None else list(range(-1, g - 1))
-        for i, p in enumerate(parents):
+        for i, p in enumerate(self.parent_of):
             m[i + 1] |= m[p + 1]
         return m
 

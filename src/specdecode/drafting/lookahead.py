@@ -60,7 +60,7 @@ class LookaheadDrafter(Drafter):
         if not window:
             return
         # the window's nodes: its guesses are the first path from the root (it weighs most)
-        parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+        parents = draft.parent_of
         nodes, at = [], -1
         for tok in window:
             child = next((i for i, p in enumerate(parents) if p == at and draft.tokens[i] == tok), None)
