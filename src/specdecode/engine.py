@@ -118,8 +118,9 @@ class SpeculativeGenerator:
     def prepare(self, prompt: str | Sequence[int] | list[dict], *, max_new_tokens: int = 128,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                 stop: Sequence[str] = (), eos_ids: Sequence[int] | None = None, chat: bool = False,
-                coupling: str = "rejection") -> SequenceState:
-        """Validate a request and build its SequenceState (InvalidRequestError on bad input; nothing runs yet)."""
+                coupling: str = "rejection", trace: bool = False) -> SequenceState:
+        """Validate a request and build its SequenceState (InvalidRequestError on bad input; nothing runs yet).
+        trace: record what each step did, token by token (the result's `trace`)."""
         params = SamplingParams(temperature, top_k, top_p, seed, coupling)
         if params.gumbel and seed is None:  # the noise is a function of the seed: fix one for this request
             params = replace(params, seed=int(torch.randint(0, 2**62, ())))
@@ -134,7 +135,7 @@ class SpeculativeGenerator:
         eos = self.eos_ids if eos_ids is None else frozenset(eos_ids)
         # timings vary between runs: a sample whose draws depend on the lengths takes the grow/shrink rule
         lengths = DraftLengths(self.gamma, self.costs, by_costs=not params.draws_depend_on_draft_lengths)
-        return SequenceState(ids, max_new_tokens, params, tuple(stop), eos, lengths, self.tokenizer)
+        return SequenceState(ids, max_new_tokens, params, tuple(stop), eos, lengths, self.tokenizer, trace)
 
     def stream(self, prompt: str | Sequence[int], **request) -> Stream:
         """Validate the request now (errors raise here), decode lazily as the stream is iterated."""

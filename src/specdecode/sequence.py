@@ -13,6 +13,7 @@ from specdecode.drafting.base import Draft, Drafter
 from specdecode.models.decoder import Transformer
 from specdecode.stats import GenerationStats
 from specdecode.stop_strings import StopStrings
+from specdecode.trace import Trace
 from specdecode.verification.sampling import SamplingParams
 from specdecode.verification.tree import verify_tree
 from specdecode.verification.verify import verify
@@ -31,6 +32,7 @@ class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str  # "stop" (eos or stop string) | "length"
+    trace: Trace | None = None  # what each step did, where the request asked for it
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -46,12 +48,13 @@ class SequenceState:
     """
 
     def __init__(self, ids: list[int], max_new: int, params: SamplingParams, stop: tuple[str, ...],
-                 eos: frozenset[int], lengths: DraftLengths, tokenizer=None) -> None:
+                 eos: frozenset[int], lengths: DraftLengths, tokenizer=None, trace: bool = False) -> None:
         self.ids, self.max_new, self.params, self.eos = ids, max_new, params, eos
         self.lengths = lengths
         self.row = 0  # of the KV cache and of the drafter's state (the server's slot)
         self.generator = params.generator()
         self.stats = GenerationStats(prompt_tokens=len(ids))
+        self.trace = Trace() if trace else None
         self.out: list[int] = []
         self.kept: list[int] = []  # the draft nodes the last step kept, in order
         self.text = ""  # emitted so far: `decoded`'s text less what is held back as a possible stop string
@@ -90,7 +93,11 @@ class SequenceState:
             accepted, nxt = verify(logits, tokens, draft.probs, self.params, self.generator, position=len(self.ids))
             self.kept = list(range(accepted))
         self.stats.record_step(len(draft.tokens), len(self.kept), max(draft.depths(), default=0))
-        return self.commit([draft.tokens[i] for i in self.kept], nxt)
+        before = len(self.out)
+        events = self.commit([draft.tokens[i] for i in self.kept], nxt)
+        if self.trace is not None:
+            self.trace.record(logits[0], draft, self.kept, nxt, len(self.out) - before, self.params)
+        return events
 
     def commit(self, kept: list[int], nxt: int) -> list[TokenEvent]:
         """Append the kept draft tokens and the next token (up to a stop)."""
@@ -135,5 +142,5 @@ class SequenceState:
                 self.text = full
         self.stats.new_tokens = len(self.out)
         self.stats.total_seconds = time.perf_counter() - self.t_start
-        events.append(GenerationResult(self.text, self.out, self.stats, self.finish or "length"))
+        events.append(GenerationResult(self.text, self.out, self.stats, self.finish or "length", self.trace))
         return events

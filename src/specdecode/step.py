@@ -71,6 +71,8 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
             continue
         seq.stats.draft_seconds += t1 - t0  # each sequence waits for the whole batch's drafting
         seq.stats.verify_seconds += t2 - t1
+        if seq.trace is not None:
+            seq.trace.timed(t1 - t0, t2 - t1)
         drafted = len(draft.tokens)
         seq.lengths.observe(width, t2 - t1, drafted, seq.stats.accepted_tokens - accepted_before,
                             (t1 - t0) * drafted / longest if steady and longest else None, max(draft.depths(),
