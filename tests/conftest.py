@@ -107,6 +107,17 @@ def tiny_pair(tmp_path_factory) -> tuple[LoadedModel, LoadedModel]:
     return (load_model(root / "target", decode_width=9), load_model(root / "draft"))
 
 
+@pytest.fixture(scope="session")
+def pair_dirs(tmp_path_factory) -> tuple[str, str]:
+    """The folders of a tiny target with a chat template and its noisy-copy draft, for commands that load by name."""
+    root = tmp_path_factory.mktemp("pair_dirs")
+    target = tiny_hf_model("qwen2", seed=0, vocab=64, layers=2)
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    return (str(save_tiny(root / "target", target, tok)),
+            str(save_tiny(root / "draft", perturbed(target, 0.3, seed=1), tok)))
+
+
 def emulated_avx512_build():
     """Our CPU extension with its AVX-512 paths (w4a8's VNNI arithmetic, the 16-float decode ops) compiled through
     SIMDe's portable intrinsics (kernels/simd.h), so that CPUs without AVX-512 test those paths too."""

