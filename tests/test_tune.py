@@ -80,23 +80,34 @@ def test_config_round_trip_and_flags(tmp_path):
                                                     "--prompt", "x"]))
     assert args.gamma == 5  # the command line wins
     args = parser.parse_args(expand_config(parser, ["bench", f"--config={path}"]))
-    assert args.methods == ["plain", "ngram:g3"] and args.gamma is None
+    assert args.methods == ["plain", "ngram"] and args.gamma == 3
+    assert parser.parse_args(expand_config(parser, ["bench", f"--config={path}", "--gamma", "2"])).gamma == 2
+    path.write_text('stop = ["a", "b"]\nmax_batch = 2\n')  # max_batch: serve's, skipped by generate
+    args = parser.parse_args(expand_config(parser, ["generate", "--config", str(path), "--prompt", "x"]))
+    assert args.stop == ["a", "b"]
+    args = parser.parse_args(expand_config(parser, ["generate", "--config", str(path), "--prompt", "x",
+                                                    "--stop", "c"]))
+    assert args.stop == ["c"]  # the command line's list replaces the file's
+    assert parser.parse_args(expand_config(parser, ["serve", "--config", str(path)])).max_batch == 2
 
 
 @pytest.mark.parametrize("text, message", [("drafter = [\n", "not valid TOML"),
                                            ("temperature_x = 1\n", "'temperature_x' is not an option"),
                                            ("chat = 3\n", "true or false"),
-                                           ("drafter = 'bogus'\n", "invalid choice")])
+                                           ("drafter = 'bogus'\n", "'drafter' must be one of"),
+                                           ("gamma = 'four'\n", "'gamma' must be an integer"),
+                                           ("gamma = 4.5\n", "'gamma' must be an integer"),
+                                           ("stop = [1]\n", "'stop' must be text")])
 def test_bad_config_files(tmp_path, capsys, text, message):
     path = tmp_path / "c.toml"
     path.write_text(text)
-    try:
-        code = cli.main(["generate", "--config", str(path), "--prompt", "x", "--target", "/nonexistent"])
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code
-    assert code == 2
-    assert message in capsys.readouterr().err
+    assert cli.main(["generate", "--config", str(path), "--prompt", "x", "--target", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err
     assert cli.main(["generate", "--config", str(tmp_path / "missing.toml"), "--prompt", "x"]) == 2
+    assert cli.main(["generate", "--config", str(path), "--config", str(path), "--prompt", "x"]) == 2
+    assert "more than once" in capsys.readouterr().err
+    assert cli.main(["doctor", "--config", str(path)]) == 2
 
 
 def test_tune_writes_a_config_generate_and_serve_honour(tiny_pair, tmp_path, monkeypatch, capsys):
@@ -131,3 +142,17 @@ def test_tune_writes_a_config_generate_and_serve_honour(tiny_pair, tmp_path, mon
         cli.main(["serve", "--config", str(out), "--max-batch", "2"])
     assert (seen["target"], seen["drafter"], seen["gamma"], seen["max_batch"]) == (str(target.source), "ngram", 2, 2)
     assert build_generator  # the module's generator builder stays importable beside the patched scheduler
+
+
+@pytest.mark.parametrize("argv", [["tune", "--out", "/nonexistent/x.toml"], ["tune", "--max-new-tokens", "0"],
+                                  ["tune", "--limit", "-2"],
+                                  ["generate", "--prompt", "x", "--html", "/nonexistent/r.html"],
+                                  ["bench", "--html", "/nonexistent/r.html"]])
+def test_outputs_and_counts_are_checked_before_loading(argv, capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr("specdecode.builder.load_target", no_load)
+    monkeypatch.setattr("specdecode.bench.spec_bench.benchmark", no_load)
+    assert cli.main(argv) == 2
+    assert "specdecode: error:" in capsys.readouterr().err

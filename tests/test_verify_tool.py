@@ -130,3 +130,18 @@ def test_prompt_files(tmp_path):
             load_prompts(str(rows))
     with pytest.raises(InvalidRequestError, match="no prompts file"):
         load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("argv, message", [(["--limit", "-1"], "--limit must be >= 0"),
+                                           (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+                                           (["--batch", "-1"], "--batch must be >= 0"),
+                                           (["--temperature", "1", "--samples", "3"], "--samples must be >= 20"),
+                                           (["--temperature", "1", "--alpha", "2"], "--alpha must be between"),
+                                           (["--prompts", "/"], "is a folder")])
+def test_bad_arguments_fail_before_loading(argv, message, capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr("specdecode.builder.load_target", no_load)
+    assert cli.main(["verify", *argv]) == 2
+    assert message in capsys.readouterr().err

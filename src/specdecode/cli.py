@@ -76,17 +76,18 @@ def _add_prompts_tool_args(p: argparse.ArgumentParser, limit: int) -> None:
     from specdecode.drafting import registry
     from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"as generate's (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None, help=f"the draft model of the model drafters (default {DEFAULT_DRAFT})")
     p.add_argument("--drafter", action="append", choices=list(registry()), metavar="NAME",
-                   help="repeatable (default: every drafter; eagle3 and medusa where train-draft wrote a head)")
+                   help=f"one of {', '.join(registry())}; repeatable (default: every drafter, eagle3 and medusa where "
+                        "train-draft wrote the target's head)")
     p.add_argument("--prompts", default="spec-bench", metavar="FILE",
                    help="spec-bench (default: its first turns, round robin over its categories), a .jsonl file "
                         "({\"prompt\": ...}, {\"messages\": [...]} or {\"turns\": [...]} per line) or a text file "
                         "(a prompt per line)")
     p.add_argument("--limit", type=int, default=limit, help=f"the first N prompts (0 = all; default {limit})")
     p.add_argument("--chat", action="store_true", help="wrap a file's text prompts in the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default %(default)s)")
 
 
 def _add_coupling_arg(p: argparse.ArgumentParser) -> None:
@@ -105,6 +106,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.coupling)  # fail before the slow load
     check_drafting(args.drafter, args.gamma)
+    if args.max_new_tokens < 1:
+        raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _writable(args.html)
     target = load_target(args.target, dtype=args.dtype, device=args.device, bit_exact=args.bit_exact, quant=args.quant)
     gen = build_generator(target, draft=args.draft, drafter=args.drafter, gamma=args.gamma, dtype=args.dtype,
                           device=args.device, quant=args.quant, draft_quant=args.draft_quant,
@@ -172,6 +176,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _writable(path: Path | None) -> None:
+    """An output file's folder must exist and take files: checked before a long run, not after it."""
+    if path is None:
+        return
+    folder = path.expanduser().absolute().parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise InvalidRequestError(f"cannot write {path}: " + ("it is a folder" if path.is_dir() else
+                                                              f"no folder {folder}" if not folder.is_dir() else
+                                                              f"{folder} is not writable"))
+
+
 def _pull(args: argparse.Namespace) -> int:
     from specdecode.models.catalog import CATALOG, pull
 
@@ -213,6 +232,7 @@ def _bench(args: argparse.Namespace) -> int:
     from specdecode.builder import check_drafting
 
     check_drafting("model", args.gamma)  # before anything loads
+    _writable(args.html)
     if args.report:
         summary = report(args.out)
     else:
@@ -414,10 +434,10 @@ def _verify(args: argparse.Namespace) -> int:
     from specdecode.drafting import registry
     from specdecode.models.catalog import DEFAULT_DRAFT
     from specdecode.tools.prompts import load_prompts
-    from specdecode.tools.verify import describe, verify
-    from specdecode.verification.sampling import SamplingParams
+    from specdecode.tools.verify import check_settings, describe, verify
 
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # fail before the slow load
+    check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.batch,
+                   args.samples, args.distribution_prompts, args.alpha)  # fail before the slow load
     for name in args.drafter or ():
         check_drafting(name, args.gamma)
     prompts = load_prompts(args.prompts, args.limit, args.chat)
@@ -429,12 +449,14 @@ def _verify(args: argparse.Namespace) -> int:
     if any(specs[name].needs_draft_model for name in drafters):
         draft = load_draft(args.draft or DEFAULT_DRAFT, dtype=args.dtype, quant=args.draft_quant, batch=args.batch,
                            vocab=args.draft_vocab)
-    print(f"verifying {', '.join(drafters)} against plain decoding on {len(prompts)} prompts of {args.prompts} "
+    print(f"verifying {', '.join(drafters)} against plain decoding on {_count(len(prompts), 'prompt')} of "
+          f"{args.prompts} "
           f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'})", file=sys.stderr)
     report = verify(target, prompts, drafters, draft=draft, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed or 0,
                     batch=args.batch, samples=args.samples, distribution_prompts=args.distribution_prompts,
-                    alpha=args.alpha, progress=(lambda line: None) if args.json else print)
+                    alpha=args.alpha,
+                    progress=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
@@ -444,6 +466,9 @@ def _verify(args: argparse.Namespace) -> int:
               f"{sum(report.seconds.values()):.0f}s: " + ("all lossless" if report.ok else
                                                           f"{len(failed)} FAILED:\n" + "\n".join(failed)))
     return 0 if report.ok else 1
+
+
+TUNE_ROWS = 15  # tune's table: the best predicted, then only the confirmed ones and plain decoding
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -463,8 +488,13 @@ def _tune(args: argparse.Namespace) -> int:
             parse_quant(quant)
     for name in args.drafter or ():
         check_drafting(name, None)
-    if args.minutes <= 0 or args.confirm < 0:
-        raise InvalidRequestError(f"--minutes must be > 0 and --confirm >= 0, got {args.minutes} and {args.confirm}")
+    if args.minutes <= 0:
+        raise InvalidRequestError(f"--minutes must be > 0, got {args.minutes}")
+    if args.confirm < 0:
+        raise InvalidRequestError(f"--confirm must be >= 0, got {args.confirm}")
+    if args.max_new_tokens < 1:
+        raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _writable(args.out)
     prompts = load_prompts(args.prompts, args.limit, args.chat)
     targets = {q: load_target(args.target, dtype=args.dtype, quant=q) for q in args.quants}
     first = next(iter(targets.values()))
@@ -476,20 +506,27 @@ def _tune(args: argparse.Namespace) -> int:
     plain = build_generator(first, drafter="none")
     encoded = [plain.prepare(p.content, chat=p.chat).ids for p in prompts]
     cpu = cpu_info()[0]
-    print(f"tuning {args.target} on {cpu} with {len(prompts)} prompts of {args.prompts}: {', '.join(drafters)}; "
+    print(f"tuning {args.target} on {cpu} with {_count(len(prompts), 'prompt')} of {args.prompts}: "
+          f"{', '.join(drafters)}; "
           f"formats {', '.join(args.quants)}", file=sys.stderr)
     result = tune(targets, encoded, drafters, draft=draft, max_new_tokens=args.max_new_tokens, confirm=args.confirm,
                   minutes=args.minutes, progress=lambda line: print(line, file=sys.stderr, flush=True))
     plain_of = {c.config.quant: c for c in result.candidates if c.config.drafter == "none"}
     print(f"\n{'rank':>4}  {'configuration':34s} {'tokens/step':>11} {'predicted tok/s':>15} {'speedup':>7} "
           f"{'measured tok/s':>14} {'speedup':>7}")
+    shown = 0
     for rank, c in enumerate(result.candidates, 1):
+        if rank > TUNE_ROWS and c.measured is None and c.config.drafter != "none":
+            continue
+        shown += 1
         base = plain_of[c.config.quant]
         measured = f"{c.measured:14.2f} {c.measured / base.measured:6.2f}x" if c.measured and base.measured else \
             f"{'-':>14} {'-':>7}"
         mark = " <- chosen" if c is result.chosen else ""
         print(f"{rank:>4}  {c.config.label:34s} {c.tokens_per_step:11.2f} {c.predicted:15.2f} "
               f"{c.predicted / base.predicted:6.2f}x {measured}{mark}")
+    if shown < len(result.candidates):
+        print(f"({len(result.candidates) - shown} more configurations, predicted slower: in {args.out})")
     chosen = result.chosen.config
     settings = {"target": args.target, "drafter": chosen.drafter, "gamma": chosen.gamma, "quant": chosen.quant,
                 "dtype": str(targets[chosen.quant].model.dtype).removeprefix("torch."),
@@ -680,10 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--seed", type=int, default=0)
     vf.add_argument("--batch", type=int, default=4,
                     help="requests per server step in the batched check (0: skip it; default 4)")
-    vf.add_argument("--samples", type=int, default=200, help="sampled only: seeds per distribution test")
+    vf.add_argument("--samples", type=int, default=200,
+                    help="sampled only: seeded samples per distribution test (default %(default)s)")
     vf.add_argument("--distribution-prompts", type=int, default=1,
                     help="sampled only: the first N prompts get distribution tests (default 1)")
-    vf.add_argument("--alpha", type=float, default=1e-3, help="a distribution test fails below this p-value")
+    vf.add_argument("--alpha", type=float, default=1e-3,
+                    help="sampled only: a distribution test fails below this p-value (default %(default)s)")
     vf.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     _add_quant_args(vf)
     vf.add_argument("--no-bit-exact", dest="bit_exact", action="store_false",

@@ -23,23 +23,27 @@ def load_prompts(source: str, limit: int | None = None, chat: bool = False) -> l
     object per line ({"prompt": text}, {"messages": [...]} or Spec-Bench's {"turns": [...]}, whose first turn is
     taken), else text with one prompt per line (blank lines skipped). `chat` wraps text prompts of a file in the
     model's chat template. limit: the first N."""
+    if limit is not None and limit < 0:
+        raise InvalidRequestError(f"--limit must be >= 0 (0: every prompt), got {limit}")
     if source == SPEC_BENCH:
         from specdecode.bench.spec_bench import load_questions
 
         prompts = [Prompt(f"spec-bench {q.question_id} ({q.category})", q.prompt, True) for q in load_questions()]
     else:
         path = Path(source).expanduser()
+        if path.is_dir():
+            raise InvalidRequestError(f"{source} is a folder; name a prompts file (or {SPEC_BENCH!r})")
         if not path.is_file():
-            raise InvalidRequestError(f"no prompts file at {path} (or name {SPEC_BENCH!r})")
+            raise InvalidRequestError(f"no prompts file at {source} (or name {SPEC_BENCH!r})")
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidRequestError(f"cannot read the prompts file {path}: {exc}") from exc
+            raise InvalidRequestError(f"cannot read the prompts file {source}: {exc}") from exc
         lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
         if path.suffix == ".jsonl":
-            prompts = [_json_prompt(f"{path.name}:{i}", line, chat) for i, line in lines]
+            prompts = [_json_prompt(f"{source}:{i}", line, chat) for i, line in lines]
         else:
-            prompts = [Prompt(f"{path.name}:{i}", line, chat) for i, line in lines]
+            prompts = [Prompt(f"{source}:{i}", line, chat) for i, line in lines]
     if not prompts:
         raise InvalidRequestError(f"{source} holds no prompts")
     return prompts[:limit] if limit else prompts

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specdecode.bench.spec_bench import markdown_table
 from specdecode.detokenize import INCOMPLETE
+from specdecode.errors import InvalidRequestError
 from specdecode.sequence import GenerationResult
 from specdecode.trace import KINDS, StepTrace, TokenTrace
 
@@ -42,7 +43,10 @@ img { max-width: 100%; margin: 8px 0; } svg text { font: 11px system-ui, sans-se
 
 
 def write_html(path: Path, page: str) -> None:
-    Path(path).write_text(page, encoding="utf-8")
+    try:
+        Path(path).write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot write the report {path}: {exc.strerror}") from exc
 
 
 def token_texts(ids: list[int], tokenizer) -> list[str]:

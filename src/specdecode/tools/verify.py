@@ -93,12 +93,9 @@ def verify(target: LoadedModel, prompts: list[Prompt], drafters: list[str], *, d
     """Check each drafter against plain decoding on `prompts` (see the module's docstring). batch: requests per
     server step for the batched check (0: none); samples: seeds per distribution test, on the first
     `distribution_prompts` prompts (sampled settings only)."""
-    SamplingParams(temperature, top_k, top_p, seed)  # bad settings fail before any decoding
+    check_settings(max_new_tokens, temperature, top_k, top_p, seed, batch, samples, distribution_prompts, alpha)
     if not prompts:
         raise InvalidRequestError("no prompts to verify")
-    if batch < 0 or samples < MIN_CONDITIONAL or not 0 < alpha < 1:
-        raise InvalidRequestError(f"batch must be >= 0, samples >= {MIN_CONDITIONAL} and alpha in (0, 1); got "
-                                  f"{batch}, {samples} and {alpha}")
     greedy = temperature == 0
     request: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    coupling="rejection" if greedy else "gumbel")
@@ -140,6 +137,22 @@ def verify(target: LoadedModel, prompts: list[Prompt], drafters: list[str], *, d
                     progress(describe(test))
         report.seconds[drafter] = round(report.seconds.get(drafter, 0) + time.perf_counter() - t0, 2)
     return report
+
+
+def check_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, batch: int,
+                   samples: int, distribution_prompts: int, alpha: float) -> None:
+    """verify's settings' errors, named as its options, before anything loads."""
+    SamplingParams(temperature, top_k, top_p, seed)
+    if max_new_tokens < 1:
+        raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch < 0:
+        raise InvalidRequestError(f"--batch must be >= 0 (0: no batched check), got {batch}")
+    if temperature > 0 and samples < MIN_CONDITIONAL:
+        raise InvalidRequestError(f"--samples must be >= {MIN_CONDITIONAL}, got {samples}")
+    if temperature > 0 and distribution_prompts < 0:
+        raise InvalidRequestError(f"--distribution-prompts must be >= 0, got {distribution_prompts}")
+    if temperature > 0 and not 0 < alpha < 1:
+        raise InvalidRequestError(f"--alpha must be between 0 and 1, got {alpha}")
 
 
 def _batched(target: LoadedModel, draft: LoadedModel | None, drafter: str, gamma: int | None, batch: int,
@@ -244,7 +257,7 @@ def describe(item: Check | DistributionTest) -> str:
         verdict = "matches" if item.passed else "FAILS"
         return (f"{head} {verdict} the target's distribution (chi-square {item.statistic:.1f}, {item.dof} dof, "
                 f"p = {item.p_value:.3g}, threshold {item.alpha:g})")
-    head = f"{item.drafter:14s} {item.path:7s} {item.prompt}"
+    head = f"{'plain' if item.drafter == 'none' else item.drafter:14s} {item.path:7s} {item.prompt}"
     d = item.difference
     if d is None:
         return f"{head}: identical ({item.tokens} tokens)"
