@@ -20,7 +20,7 @@ PROMPTS = ["hello world hello world", "abc def abc def", "The cat sat on the mat
 def test_prediction_by_hand():
     steps = [StepTrace(drafted=4, depth=4, accepted=2, draft_seconds=0.004), StepTrace(4, 4, 4, 0.004)]
     p = tuning.Profile(steps, tokens=100, requests=1, draft_seconds=0.001, per_token=True, catch_up_seconds=0.5,
-                       tree=False)
+                       tree=False, gamma=8)
     curve = {k: 10.0 * k for k in range(1, 18)}  # ms
     tokens, speed = tuning.predict(p, curve, 4)
     assert tokens == 4.0  # (3 + 5) / 2
@@ -54,7 +54,7 @@ def test_choice_is_the_best_predicted(tiny_pair, monkeypatch, curve, drafts):
     assert result.chosen is best is result.candidates[0]
     assert (result.chosen.config.drafter != "none") == drafts
     labels = {c.config.label for c in result.candidates}
-    assert {"plain [file]", "model g1 [file]", "model g8 [file]", "model [file]", "ngram-tree [file]"} <= labels
+    assert {"plain [file]", "model g1 [file]", "model g8 [file]", "model [file]", "ngram-tree g8 [file]"} <= labels
 
 
 def test_choice_is_the_best_confirmed(tiny_pair):

@@ -7,7 +7,8 @@ Three measurements, then a prediction and its check:
      seconds drafting took (a draft model's: per drafted token, its first step of a request, which reads the prompt,
      apart; the other drafters': per step);
   3. from those, each configuration's decode tokens/s: a chain drafter's trace cut to each shorter length g (a
-     step keeps min(accepted, g) tokens and runs a forward of 1 + min(drafted, g)), a tree drafter at its own size;
+     step keeps min(accepted, g) tokens and runs a forward of 1 + min(drafted, g)), a tree drafter at the size it
+     was traced with;
      then the likeliest configurations are run for real (`confirm`), and the fastest measured one is chosen.
 """
 
@@ -52,7 +53,8 @@ class Profile:
     draft_seconds: float  # per drafted token (a draft model), else per step
     per_token: bool
     catch_up_seconds: float  # per request: what its first drafting step's drafting took beyond a usual one's
-    tree: bool  # it drafted trees: predicted at its own size only
+    tree: bool  # it drafted trees: predicted at the size it ran with only
+    gamma: int | None  # the length (a tree's size) it ran with; None: the drafter's own fixed one
 
     def draft_cost(self, drafted: int) -> float:
         return self.draft_seconds * drafted if self.per_token else self.draft_seconds
@@ -104,7 +106,8 @@ def profile(gen_for: Callable[[int | None], SpeculativeGenerator], drafter: str,
             max_new_tokens: int) -> Profile:
     """Trace `drafter` on the prompts at its longest draft (a chain's MAX_GAMMA, a tree's own size)."""
     spec = drafter_spec(drafter)
-    gen = gen_for(MAX_GAMMA if spec.chooses_lengths else None)
+    gamma = MAX_GAMMA if spec.chooses_lengths else None
+    gen = gen_for(gamma)
     steps, firsts = [], []
     tokens, tree = 0, False
     for ids in prompts:
@@ -118,7 +121,7 @@ def profile(gen_for: Callable[[int | None], SpeculativeGenerator], drafter: str,
     seconds = sum(s.draft_seconds for s in steps)
     per_token = spec.needs_draft_model
     cost = seconds / max(sum(s.drafted for s in steps), 1) if per_token else seconds / max(len(steps), 1)
-    p = Profile(steps, tokens, len(prompts), cost, per_token, 0.0, tree)
+    p = Profile(steps, tokens, len(prompts), cost, per_token, 0.0, tree, gamma)
     p.catch_up_seconds = sum(max(0.0, s.draft_seconds - p.draft_cost(s.drafted)) for s in firsts) / len(prompts)
     return p
 
@@ -137,13 +140,14 @@ def predict(p: Profile, curve: dict[int, float], gamma: int | None) -> tuple[flo
 
 def candidates(profiles: dict[str, Profile], curves: dict[str, dict[int, float]]) -> list[Candidate]:
     """Every configuration, ranked by predicted decode tokens/s: plain per format, each chain drafter at each
-    length up to MAX_GAMMA and as it chooses (predicted as its best length), each tree drafter at its size."""
+    length up to MAX_GAMMA and as it chooses (predicted as its best length), each tree drafter at the size it was
+    profiled with, a drafter of one fixed length at that length."""
     out = []
     for quant, curve in curves.items():
         out.append(Candidate(Config(quant, "none"), 1.0, 1e3 / curve[1]))
         for drafter, p in profiles.items():
             if p.tree or not drafter_spec(drafter).chooses_lengths:
-                out.append(Candidate(Config(quant, drafter), *predict(p, curve, None)))
+                out.append(Candidate(Config(quant, drafter, p.gamma), *predict(p, curve, None)))
                 continue
             fixed = [Candidate(Config(quant, drafter, g), *predict(p, curve, g)) for g in range(1, MAX_GAMMA + 1)]
             best = max(fixed, key=lambda c: c.predicted)
