@@ -147,8 +147,10 @@ def test_tune_writes_a_config_generate_and_serve_honour(tiny_pair, tmp_path, mon
 @pytest.mark.parametrize("argv", [["tune", "--out", "/nonexistent/x.toml"], ["tune", "--max-new-tokens", "0"],
                                   ["tune", "--limit", "-2"],
                                   ["generate", "--prompt", "x", "--html", "/nonexistent/r.html"],
-                                  ["bench", "--html", "/nonexistent/r.html"]])
-def test_outputs_and_counts_are_checked_before_loading(argv, capsys, monkeypatch):
+                                  ["bench", "--html", "/nonexistent/r.html"],
+                                  ["bench", "--out", "/nonexistent/run"]])
+def test_outputs_and_counts_are_checked_before_loading(argv, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # nothing lands in the checkout
     def no_load(*args, **kwargs):
         raise AssertionError("loaded a model before checking the arguments")
 
@@ -156,3 +158,4 @@ def test_outputs_and_counts_are_checked_before_loading(argv, capsys, monkeypatch
     monkeypatch.setattr("specdecode.bench.spec_bench.benchmark", no_load)
     assert cli.main(argv) == 2
     assert "specdecode: error:" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before creating anything

@@ -232,7 +232,12 @@ def _bench(args: argparse.Namespace) -> int:
     from specdecode.builder import check_drafting
 
     check_drafting("model", args.gamma)  # before anything loads
-    _writable(args.html)
+    if not args.report and not args.out.is_dir():  # the run writes into --out
+        _writable(args.out)
+    if args.html is not None and args.html.expanduser().absolute().parent != args.out.expanduser().absolute():
+        _writable(args.html)  # a report into --out is written once the run has made it
+    if not args.report:
+        args.out.mkdir(exist_ok=True)
     if args.report:
         summary = report(args.out)
     else:
