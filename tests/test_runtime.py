@@ -137,3 +137,15 @@ def test_runtime_bench_reports_the_draft_step_as_a_fraction_of_the_target(tiny_p
     (ours,) = [r for r in rows if r["engine"] == "specdecode"]
     assert ours["draft_step_fraction"] == drafts[0]["ms"][1] / ours["ms"][1]
     assert "draft one-token step / " in capsys.readouterr().out
+
+
+def test_runtime_bench_runs_a_gguf_as_its_file_stores_it(tmp_path, capsys):
+    from specdecode.bench.runtime import run_runtime_bench
+    from specdecode.builder import native_kind
+    from tests.gguf_files import Q4_K_M, write_model
+
+    path = str(write_model(tmp_path / "m.gguf", Q4_K_M))
+    rows = run_runtime_bench([path], ["float32"], ks=[1, 2], repeats=1, with_hf=False, bit_exact=False, context=8,
+                             quants=["file", "none"])
+    assert [(r["quant"], r["kernel"]) for r in rows] == [("file", native_kind("float32") or "none"), ("none", "none")]
+    assert "| file (" in capsys.readouterr().out or native_kind("float32") is None

@@ -215,7 +215,7 @@ def _runtime_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.runtime import run_runtime_bench
     from specdecode.models.linear import parse_quant
 
-    for quant in args.quants:
+    for quant in set(args.quants) - {"file", "auto"}:
         parse_quant(quant)  # a typo fails now, not after the first model's measurements
     if args.draft_vocab is not None and args.draft is None:
         raise InvalidRequestError("--draft-vocab sets the lm_head of the --draft model: name one")
@@ -784,9 +784,10 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--repeats", type=int, default=20)
     rb.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     rb.add_argument("--no-bit-exact", dest="bit_exact", action="store_false")
-    rb.add_argument("--quants", nargs="+", default=["none"], metavar="QUANT",
-                    help="our engine with each weight quantization: "
-                         "none int8 int4 int4-g64 int4-g128 int4-amx w4a8 w6a8 w8a8")
+    rb.add_argument("--quants", nargs="+", default=["file"], metavar="QUANT",
+                    help="our engine with each weight quantization: file (default: as generate, the model as its "
+                         "file stores it), auto, none (dense), int8 int4 int4-g64 int4-g128 int4-amx w4a8 w6a8 w8a8 "
+                         "gguf gguf-int8")
     rb.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF (llama-cpp-python)")
     rb.add_argument("--draft", default=None, metavar="MODEL",
                     help="also MODEL loaded as a draft (its own lm_head) and its one-token step as a fraction of the "

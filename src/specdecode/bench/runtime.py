@@ -33,11 +33,14 @@ def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, wid
           quant: str = "none", as_draft: bool = False, draft_vocab: int | None = None) -> dict:
     """as_draft: load the model as `builder.load_draft` does (its lm_head as narrow as its blocks, only its first
     draft_vocab rows if given), else as a target (its lm_head wider, see `builder.target_head_quant`)."""
-    from specdecode.builder import load_draft, target_head_quant
+    from specdecode.builder import load_draft, resolve_quant, target_head_quant
     from specdecode.models.loading import load_model
 
     if as_draft and is_head(model):
         return _head(model, context, ks, repeats)
+    # 'file' and 'auto' name a kernel by the file and this CPU, as generate's loading does
+    quant = resolve_quant(quant, dtype, width or 1, "cpu", model, fallback="auto" if as_draft else "none",
+                          draft=as_draft)
     t = time.perf_counter()
     if as_draft:
         m = load_draft(model, dtype=dtype, quant=quant, vocab=draft_vocab).model
@@ -50,7 +53,7 @@ def _ours(model: str, dtype: str, context: int, ks: list[int], repeats: int, wid
     m(ids[:, :context], torch.tensor([0]), cache, num_logits=0)
     start = torch.tensor([context])
     ms = {k: _median_ms(lambda k=k: m(ids[:, context:context + k], start, cache), repeats) for k in ks}
-    return {"load_s": load_s, "ms": ms, "head_rows": m.lm_head.out_features}
+    return {"load_s": load_s, "ms": ms, "head_rows": m.lm_head.out_features, "kernel": quant}
 
 
 def is_head(path: str) -> bool:
@@ -187,7 +190,7 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
           f"{torch.get_num_threads()} threads | context {context} | median of {repeats}")
     engines: list[tuple[str, int | None]] = [("specdecode bit-exact", VERIFY_WIDTH)] if bit_exact else []
     engines.append(("specdecode", None))
-    runs = [(name, width, dtype, quant) for dtype in dtypes for quant in quants or ["none"] for name, width in engines]
+    runs = [(name, width, dtype, quant) for dtype in dtypes for quant in quants or ["file"] for name, width in engines]
     if with_hf:
         runs += [("transformers", None, dtype, "none") for dtype in dtypes]
     if with_llama_cpp:
@@ -200,7 +203,8 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
 
     def report(model: str, dtype: str, quant: str, engine: str, r: dict, label: str | None = None, **extra) -> None:
         ms = r["ms"]
-        print(f"| {model} | {dtype} | {quant} | {label or engine} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | "
+        shown = quant if r.get("kernel", quant) == quant else f"{quant} ({r['kernel']})"  # file -> file (gguf-int8)
+        print(f"| {model} | {dtype} | {shown} | {label or engine} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | "
               + " | ".join(f"{ms[k]:.1f}" for k in ks) + " | "
               + " | ".join(f"{ms[k] / ms[1]:.2f}" for k in ks if k > 1) + " |", flush=True)
         rows.append({"model": model, "dtype": dtype, "quant": quant, "engine": engine, **extra, **r})
@@ -216,7 +220,7 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
         return rows
     targets = [t for t in rows if t["engine"] in dict(engines)]  # ours, not the peers
     for dtype in dtypes:
-        for quant in quants or ["none"]:
+        for quant in quants or ["file"]:
             d = measure("ours", draft, dtype, context, ks, repeats, None, quant, True, draft_vocab)
             what = f"head, vocab {d['head_rows']}" if is_head(draft) else f"vocab {draft_vocab or 'all'}"
             report(draft, dtype, quant, "specdecode draft", d, f"specdecode draft ({what})", draft_vocab=draft_vocab)
