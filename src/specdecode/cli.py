@@ -275,7 +275,8 @@ class _RefuseKeyArgument(argparse.Action):
 
 
 EXTRAS = {"serve": ("fastapi", "uvicorn", "pydantic", "prometheus_client"),
-          "bench": ("fastapi", "uvicorn", "pydantic", "prometheus_client", "matplotlib", "httpx")}
+          "bench": ("fastapi", "uvicorn", "pydantic", "prometheus_client", "matplotlib", "httpx"),
+          "cluster": ("ray",)}
 
 
 def _require(extra: str) -> None:
@@ -313,17 +314,50 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = _api_key(args.api_key_file)  # before the slow load: a wrong path fails at once
     if args.max_request_bytes < 1:
         raise InvalidRequestError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    scheduler = build_scheduler(args.target, draft=args.draft, drafter=args.drafter, gamma=args.gamma,
-                                dtype=args.dtype, device=args.device, bit_exact=args.bit_exact,
-                                max_context=args.max_context, max_batch=args.max_batch, max_queue=args.max_queue,
-                                quant=args.quant, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab)
+    engine = dict(draft=args.draft, drafter=args.drafter, gamma=args.gamma, dtype=args.dtype, device=args.device,
+                  bit_exact=args.bit_exact, max_context=args.max_context, max_batch=args.max_batch,
+                  max_queue=args.max_queue, quant=args.quant, draft_quant=args.draft_quant,
+                  draft_vocab=args.draft_vocab)
     name = args.served_model_name or Path(args.target).name
+    if args.replicas is not None:
+        return _serve_replicas(args, engine, name, api_key)
+    if args.threads is not None:
+        raise InvalidRequestError("--threads sets each replica's threads: use it with --replicas")
+    scheduler = build_scheduler(args.target, **engine)
     app = create_app(scheduler, name, api_key=api_key, open_metrics=args.open_metrics,
                      max_request_bytes=args.max_request_bytes)
     print(f"serving {name!r} (drafter {args.drafter}, up to {args.max_batch} sequences per step; linears stay "
           f"bit-exact for {scheduler.invariant_batch} sequences per matmul) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, engine: dict, name: str, api_key: str | None) -> int:
+    """`serve --replicas N`: N copies of the engine on Ray Serve behind one endpoint (serving/cluster.py)."""
+    _require("cluster")
+    from ray import serve
+
+    from specdecode.builder import check_drafting
+    from specdecode.models.catalog import resolve
+    from specdecode.serving.cluster import ReplicaSettings, application, check_replicas, start
+
+    check_drafting(args.drafter, args.gamma)
+    cores = os.cpu_count() or 1
+    threads = args.threads if args.threads is not None else max(1, cores // max(args.replicas, 1))
+    check_replicas(args.replicas, threads)
+    if args.ray_address is None and args.replicas * threads > cores:
+        raise InvalidRequestError(f"{args.replicas} replicas of {threads} threads need {args.replicas * threads} "
+                                  f"cores; this machine has {cores} (start a Ray cluster and pass --ray-address)")
+    if engine["draft"] is not None:
+        engine["draft"] = str(resolve(engine["draft"]))  # pulled once here, not by every replica at once
+    settings = ReplicaSettings(target=str(resolve(args.target)), model_name=name, threads=threads, scheduler=engine,
+                               open_metrics=args.open_metrics, max_request_bytes=args.max_request_bytes)
+    app = application(settings, args.replicas, api_key)
+    start(args.ray_address, args.host, args.port)
+    print(f"serving {name!r}: {args.replicas} replica(s) of {threads} thread(s) on Ray Serve, each drafting "
+          f"({args.drafter}) and batching on its own, on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve.run(app, name="specdecode", route_prefix="/", blocking=True)
     return 0
 
 
@@ -426,7 +460,11 @@ def _train_draft(args: argparse.Namespace) -> int:
               f"| held-out acceptance at positions 1-4: {acc} | tokens per step (chain of 4) "
               f"{p['tokens_per_step']:.2f}", flush=True)
 
-    train_draft(target, out, opts, resume=args.resume, target_name=args.target, report=report,
+    from specdecode.models.catalog import CATALOG
+
+    # the verifier's name in the head's files: a catalog model's Hub repo, which vLLM loads (docs/deploying.md)
+    verifier = CATALOG[args.target].source if args.target in CATALOG else args.target
+    train_draft(target, out, opts, resume=args.resume, target_name=verifier, report=report,
                 progress=sys.stderr.isatty())
     default = out == default_head_dir(target, args.kind)
     print(f"head written to {out}; draft with it: specdecode generate --target {args.target} --drafter {args.kind}"
@@ -654,6 +692,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refuse request bodies larger than this with 413 (default: %(default)s)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--replicas", type=int, default=None, metavar="N",
+                    help="N copies of the engine on Ray Serve behind this endpoint (needs the [cluster] extra); Ray "
+                         "routes requests and restarts a replica that dies")
+    sv.add_argument("--threads", type=int, default=None, metavar="T",
+                    help="with --replicas: CPU threads of each replica (default: this machine's cores / N)")
+    sv.add_argument("--ray-address", default=None, metavar="ADDR",
+                    help="with --replicas: the Ray cluster to join ('auto': the one `ray start` runs here; default: "
+                         "start one on this machine)")
     sv.add_argument("--config", type=Path, default=None, metavar="FILE",
                     help="options from a TOML file (`specdecode tune` writes one); flags given here win")
     sv.set_defaults(func=_serve)

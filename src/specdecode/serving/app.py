@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 
 import uvicorn
@@ -166,9 +166,11 @@ class _LimitBody:
 
 
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, *, open_metrics: bool = False,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               gather_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
     """The OpenAI-compatible app. With `api_key`, every endpoint but /health (and /metrics if `open_metrics`)
-    needs it; request bodies over `max_request_bytes` are refused unread."""
+    needs it; request bodies over `max_request_bytes` are refused unread. gather_metrics: what /metrics serves, if
+    not this app's own (a replica of a cluster serves every replica's, serving/cluster.py)."""
     if api_key is not None and not api_key:
         raise InvalidRequestError("the API key is empty")
     gen = scheduler.gen
@@ -215,7 +217,8 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = await gather_metrics() if gather_metrics is not None else generate_latest(metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
