@@ -153,3 +153,16 @@ def test_two_replicas_on_ray_serve_equal_generate_and_survive_a_killed_replica(p
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_a_scheduler_whose_loop_died_is_not_alive(tiny_pair, monkeypatch):
+    from specdecode.serving.scheduler import build_scheduler
+
+    scheduler = build_scheduler(tiny_pair[0], drafter="ngram", max_batch=2)
+    assert scheduler.alive  # not started yet
+    monkeypatch.setattr(scheduler, "_loop", lambda: None)  # a loop that ends at once, as a bug in it would
+    scheduler.start()
+    scheduler._thread.join()
+    assert not scheduler.alive  # what Ray's health check of a replica reads (Replica.check_health)
+    scheduler.stop()
+    assert scheduler.alive  # stopped on purpose

@@ -70,10 +70,9 @@ class Replica:
         return app
 
     def check_health(self) -> None:
-        """Ray's health check: a replica whose scheduler thread has died is restarted."""
-        thread = getattr(self.scheduler, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            raise RuntimeError("the scheduler thread has stopped")
+        """Ray's health check: a replica whose scheduler has died is replaced."""
+        if not self.scheduler.alive:
+            raise RuntimeError("the scheduler's step loop has stopped")
 
     def identity(self) -> tuple[str, int]:
         """This replica's name (the responses' x-specdecode-replica) and its process id, e.g. for `kill`."""

@@ -88,6 +88,12 @@ class Scheduler:
     def queued(self) -> int:
         return len(self.waiting)
 
+    @property
+    def alive(self) -> bool:
+        """False once the step loop has ended without being stopped (it survives a step's errors, not a bug of its
+        own): the server can no longer answer."""
+        return self._thread is None or self._thread.is_alive() or self._stopping
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="specdecode-scheduler", daemon=True)
         self._thread.start()
