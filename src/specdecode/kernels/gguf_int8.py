@@ -19,6 +19,7 @@ from specdecode.models.block_linear import BlockLinear
 from specdecode.models.gguf_blocks import BlockFormat, Codes
 
 REGISTER = 32  # inputs per register of codes
+TILE = 16  # rows per tile
 SPAN = 256  # inputs per activation scale
 SOURCE = Path(__file__).with_name("gguf_int8.cpp")
 HEADERS = (Path(__file__).with_name("int8_act.h"), Path(__file__).with_name("simd.h"))
@@ -35,103 +36,114 @@ def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
 
 
 def register_bytes(bits: int) -> int:
-    return {4: 16, 5: 20, 6: 24, 8: 32}[bits]
+    """Bytes of one register (32 inputs) of a tile's 16 rows."""
+    return TILE * {4: 16, 5: 20, 6: 24, 8: 32}[bits]
 
 
-def _high(high: torch.Tensor, bits: int) -> torch.Tensor:
-    """Bits 4 and up of registers' codes [..., 32] -> their bytes [..., 4 or 8] (layout in gguf_int8.cpp)."""
-    if bits == 5:
-        word = (high << torch.arange(32)).sum(-1, keepdim=True)  # bit j: input j
-        return (word >> (8 * torch.arange(4))) & 0xFF
-    shape = high.shape[:-1]
-    return (high.view(*shape, 4, 8) << (2 * torch.arange(4)).view(4, 1)).sum(-2)  # byte i, bits 2k: input 8k + i
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [N / 16 (rounded up), 16, ...], zero rows padding the last tile."""
+    pad = -t.shape[0] % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, TILE, *t.shape[1:])
 
 
-def _from_high(b: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `_high`: [..., 4 or 8] bytes -> [..., 32] bits 4 and up."""
-    if bits == 5:
-        word = (b << (8 * torch.arange(4))).sum(-1, keepdim=True)
-        return (word >> torch.arange(32)) & 1
-    return ((b.unsqueeze(-2) >> (2 * torch.arange(4)).view(4, 1)) & 3).flatten(-2)
+def _per_tile(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, n] -> [N / 16, n, 16]: a block's (or group's) 16 rows side by side."""
+    return _tiles(t).transpose(1, 2).contiguous()
 
 
 def pack(codes: Codes) -> dict[str, torch.Tensor]:
     """Codes of an [N, K] tensor -> the kernel's buffers (layout at the top of gguf_int8.cpp)."""
-    fmt, q = codes.fmt, codes.q
-    N, K = q.shape
+    fmt = codes.fmt
+    N, K = codes.q.shape
+    u = _tiles(codes.q).to(torch.int64).view(-1, TILE, K // REGISTER, 8, 4)  # [tiles, row, register, slice, i]
     if fmt.bits == 8:
-        words = (q.to(torch.int16) + fmt.bias).to(torch.int8).view(torch.uint8)  # code + bias: the file's int8
+        parts = [u]  # the file's int8 + 128
     else:
-        unit = 64 if fmt.block == 256 else REGISTER  # K types: pairs of registers
-        u = q.view(N, K // unit, unit).to(torch.int64)
-        half = unit // 2
-        lo = (u[..., :half] & 15) | ((u[..., half:] & 15) << 4)
-        hi = _high(u.view(N, K // unit, unit // REGISTER, REGISTER) >> 4, fmt.bits).flatten(-2) if fmt.bits > 4 \
-            else lo[..., :0]
-        words = torch.cat([lo, hi], -1).to(torch.uint8)
-    out = {"w": words.reshape(N, -1).contiguous(), "d": codes.d.view(torch.int16).contiguous()}
+        nibbles = (u & 15).view(-1, TILE, K // REGISTER, 4, 2, 4)
+        parts = [nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)]  # vector v: slices 2v, 2v + 1
+        high = u >> 4
+        if fmt.bits == 5:  # bit j: slice j
+            parts.append((high << torch.arange(8).view(8, 1)).sum(-2, keepdim=True))
+        elif fmt.bits == 6:  # vector w, bits 2k: slice 4w + k
+            parts.append((high.view(-1, TILE, K // REGISTER, 2, 4, 4) << (2 * torch.arange(4)).view(4, 1)).sum(-2))
+    # [tiles, row, register, vector, i] -> [tiles, register, vector, row, i]
+    words = torch.cat([p.permute(0, 2, 3, 1, 4) for p in parts], 2).to(torch.uint8)
+    out = {"w": words.reshape(words.shape[0], -1).contiguous(), "d": _per_tile(codes.d.view(torch.int16))}
     if codes.dm is not None and codes.m is not None:
-        out["dm"] = codes.dm.view(torch.int16).contiguous()
+        out["dm"] = _per_tile(codes.dm.view(torch.int16))
     if fmt.block == 256:  # integer sub-scales (and mins) per group; the block-32 types have sc = m = 1
-        out["sc"] = codes.sc.contiguous()
+        out["sc"] = _per_tile(codes.sc)
         if codes.m is not None:
-            out["m"] = codes.m.view(torch.int8).contiguous()
+            out["m"] = _per_tile(codes.m.view(torch.int8))
     return out
 
 
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The inverse of `_per_tile`, the first `rows` rows."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:rows]
+
+
 def unpack(fmt: BlockFormat, buffers: dict[str, torch.Tensor], rows: int) -> Codes:
-    """The inverse of `pack`."""
-    w = buffers["w"][:rows]
-    N = w.shape[0]
+    """The inverse of `pack`: the first `rows` rows."""
+    w = buffers["w"]
+    regs = w.shape[1] // register_bytes(fmt.bits)
+    r = w.view(-1, regs, register_bytes(fmt.bits) // (TILE * 4), TILE, 4).permute(0, 3, 1, 2, 4).to(torch.int64)
     if fmt.bits == 8:
-        q = (w.view(torch.int8).to(torch.int16) - fmt.bias).to(torch.uint8)
+        q = r
     else:
-        unit = 64 if fmt.block == 256 else REGISTER
-        r = w.view(N, -1, unit // REGISTER * register_bytes(fmt.bits)).to(torch.int64)
-        half = unit // 2
-        lo = r[..., :half]
-        q = torch.cat([lo & 15, lo >> 4], -1)
-        if fmt.bits > 4:
-            high = r[..., half:].view(*r.shape[:2], unit // REGISTER, -1)
-            q = q | (_from_high(high, fmt.bits).flatten(-2) << 4)
-        q = q.reshape(N, -1).to(torch.uint8)
+        low = r[..., :4, :]
+        q = torch.stack([low & 15, low >> 4], -2).flatten(-3, -2)  # [tiles, row, register, slice, i]
+        if fmt.bits == 5:
+            q = q | (((r[..., 4:5, :] >> torch.arange(8).view(8, 1)) & 1) << 4)
+        elif fmt.bits == 6:
+            q = q | ((((r[..., 4:6, :].unsqueeze(-2) >> (2 * torch.arange(4)).view(4, 1)) & 3) << 4).flatten(-3, -2))
+    q = q.reshape(-1, regs * REGISTER)[:rows].to(torch.uint8)
     groups = q.shape[1] // fmt.group
-    ones = torch.ones(N, groups, dtype=torch.int8)
+    ones = torch.ones(rows, groups, dtype=torch.int8)
     has_offsets = "dm" in buffers
-    return Codes(fmt, q, buffers["d"][:rows].view(torch.float16), buffers["sc"][:rows] if "sc" in buffers else ones,
-                 buffers["dm"][:rows].view(torch.float16) if has_offsets else None,
-                 (buffers["m"][:rows].view(torch.uint8) if "m" in buffers else ones.view(torch.uint8))
+    return Codes(fmt, q, _rows(buffers["d"], rows).view(torch.float16),
+                 _rows(buffers["sc"], rows) if "sc" in buffers else ones,
+                 _rows(buffers["dm"], rows).view(torch.float16) if has_offsets else None,
+                 (_rows(buffers["m"], rows).view(torch.uint8) if "m" in buffers else ones.view(torch.uint8))
                  if has_offsets else None)
 
 
 def reference_mm(x: torch.Tensor, fmt: BlockFormat, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The kernel's arithmetic in torch: exact integer sums per block, then its float32 steps, except that the
-    lanes of a block are added first (the kernel keeps 8 lanes apart): [k, K] -> [k, N] float32, within a few ulps
-    of the kernel's. For tests."""
-    codes = unpack(fmt, buffers, buffers["w"].shape[0])
+    """The kernel's arithmetic in torch: exact integer sums per block, then its float32 steps block after block, a
+    fused multiply-add done in float64 (rounded twice, where the kernel rounds once): [k, K] -> [k, N (whole tiles)]
+    float32, within an ulp or so of the kernel's. For tests."""
+    codes = unpack(fmt, buffers, buffers["w"].shape[0] * TILE)
     N, K = codes.q.shape
     q, a = reference_quantize_activations(x.float(), K, SPAN)  # [k, K] int8, [k, spans]
+    q = q.to(torch.int64).view(-1, 1, K // fmt.block, fmt.block)
     values = codes.q.to(torch.int64) + fmt.bias  # [N, K]
     sc = codes.sc.to(torch.int64).repeat_interleave(fmt.group, 1)
     blocks = K // fmt.block
-    J = ((values * sc).view(1, N, blocks, fmt.block) * q.to(torch.int64).view(-1, 1, blocks, fmt.block)).sum(-1)
-    span_of = torch.arange(blocks) * fmt.block // SPAN
-    acc = J.double() * (codes.d.float().view(1, N, blocks) * a[:, span_of].view(-1, 1, blocks)).double()
+    J = ((values * sc).view(1, N, blocks, fmt.block) * q).sum(-1)  # [k, N, blocks]
+    M = None
     if codes.dm is not None and codes.m is not None:
-        m = codes.m.to(torch.int64).repeat_interleave(fmt.group, 1).view(1, N, blocks, fmt.block)
-        M = (m * q.to(torch.int64).view(-1, 1, blocks, fmt.block)).sum(-1)
-        acc = acc + M.double() * (codes.dm.float().view(1, N, blocks) * a[:, span_of].view(-1, 1, blocks)).double()
-    return acc.sum(-1).float()
+        M = (codes.m.to(torch.int64).repeat_interleave(fmt.group, 1).view(1, N, blocks, fmt.block) * q).sum(-1)
+    span_of = torch.arange(blocks) * fmt.block // SPAN
+    acc = torch.zeros(x.shape[0], N, dtype=torch.float32)
+    for s in range(blocks):
+        scale = a[:, span_of[s]].view(-1, 1)  # [k, 1]
+        acc = (J[..., s].float().double() * (codes.d[:, s].float() * scale).double() + acc.double()).float()
+        if M is not None and codes.dm is not None:
+            acc = (M[..., s].float().double() * (codes.dm[:, s].float() * scale).double() + acc.double()).float()
+    return acc
 
 
 def gguf_int8_mm(x: torch.Tensor, fmt: BlockFormat, buffers: dict[str, torch.Tensor],
                  out_dtype: torch.dtype = torch.float32, isa_flags: tuple[str, ...] = ()) -> torch.Tensor:
-    """x [k, K] float32 or bfloat16 times a packed tensor -> [k, N] in out_dtype."""
+    """x [k, K] float32 or bfloat16 times a packed tensor -> [k, N (whole tiles)] in out_dtype."""
     ext = extension(isa_flags)
     if ext is None:
         raise RuntimeError("--quant gguf-int8 needs an AVX2 CPU and a C++ compiler here")
     y = ext.gguf_int8_mm(x, buffers["w"], buffers["d"], buffers.get("dm", NO_INT16), buffers.get("sc", NO_INT8),
-                         buffers.get("m", NO_INT8), fmt.bits, fmt.block, fmt.group, fmt.bias if fmt.bits < 8 else 0)
+                         buffers.get("m", NO_INT8), fmt.bits, fmt.block, fmt.group, fmt.bias,
+                         buffers["w"].shape[0] * TILE)
     return y.to(out_dtype)
 
 

@@ -52,6 +52,15 @@ inline simde__m256i cvtepi32_epi16(simde__m512i a) {  // vpmovdw: each int32's l
   for (int i = 0; i < 16; ++i) out[i] = static_cast<int16_t>(in[i]);
   return simde_mm256_loadu_si256(out);
 }
+// vpmovsxbd, vpmovzxbd: 16 int8 or uint8 to int32 (missing in SIMDe 0.8.2)
+template <typename E>
+inline simde__m512i cvt8_epi32(simde__m128i a) {
+  E in[16];
+  int32_t out[16];
+  simde_mm_storeu_si128(in, a);
+  for (int i = 0; i < 16; ++i) out[i] = in[i];
+  return simde_mm512_loadu_si512(out);
+}
 // aligned 64-byte loads and stores, which fault on hardware where the address is not a multiple of 64
 inline void check_aligned(const void* p) {
   TORCH_CHECK(reinterpret_cast<uintptr_t>(p) % 64 == 0, "a 64-byte aligned AVX-512 load or store at ", p,
@@ -82,6 +91,8 @@ inline simde__m512 roundscale_ps(simde__m512 a, int imm8) {
 #undef _mm512_load_si512
 #undef _mm512_store_ps
 #undef _mm512_roundscale_ps
+#undef _mm512_cvtepi8_epi32
+#undef _mm512_cvtepu8_epi32
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_mask_storeu_ps
 #undef _mm256_maskz_loadu_epi16
@@ -94,6 +105,8 @@ inline simde__m512 roundscale_ps(simde__m512 a, int imm8) {
 #define _mm_test_epi8_mask specdecode_simde::test_epi8_mask
 #define _mm512_cvtepi32_epi16 specdecode_simde::cvtepi32_epi16
 #define _mm512_roundscale_ps specdecode_simde::roundscale_ps
+#define _mm512_cvtepi8_epi32 specdecode_simde::cvt8_epi32<int8_t>
+#define _mm512_cvtepu8_epi32 specdecode_simde::cvt8_epi32<uint8_t>
 #define _mm512_load_ps specdecode_simde::load_ps
 #define _mm512_load_si512 specdecode_simde::load_si512
 #define _mm512_store_ps specdecode_simde::store_ps
