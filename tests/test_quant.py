@@ -352,7 +352,7 @@ def test_file_precision_runs_native_kernels_by_capability(tmp_path, monkeypatch)
 
 @pytest.mark.real_autotune
 @pytest.mark.parametrize("cls", ["amx", "avx512", "avx2"])
-def test_the_drafts_kernel_is_int4_amx_on_amx_else_measured(monkeypatch, cls):
+def test_the_drafts_kernel_is_int4_amx_on_amx_else_its_blocks_or_measured(monkeypatch, cls):
     from specdecode.models import autotune
 
     monkeypatch.setattr(autotune, "cpu_info", lambda: ("a CPU", FLAGS[cls]))
@@ -361,6 +361,9 @@ def test_the_drafts_kernel_is_int4_amx_on_amx_else_measured(monkeypatch, cls):
                         "w4a8" if not changes_outputs else "none")
     expected = "int4-amx" if cls == "amx" else "w4a8"  # a draft's measurement may use the fastest seen
     assert autotune.draft_quant_choice(torch.bfloat16, 1)[0] == expected
+    # a GGUF draft runs its own blocks where a native int8 kernel does (faster for the prompt it prefills)
+    expected = "int4-amx" if cls == "amx" else "gguf-int8"
+    assert autotune.draft_quant_choice(torch.bfloat16, 1, "gguf-int8")[0] == expected
 
 
 def test_an_empty_draft_vocabulary_is_refused_even_with_a_cached_model(tiny_pair):

@@ -46,17 +46,18 @@ def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source
                   fallback: str = "none", draft: bool = False) -> str:
     """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel for `dtype`;
     where there is none (safetensors, no native kernel for this CPU) `fallback`. 'auto': the fastest kernel on this
-    CPU for matmuls of `rows` rows (measured once and cached)."""
+    CPU for matmuls of `rows` rows (measured once and cached); for a draft, `draft_quant_choice`."""
+    native = native_kind(dtype) if torch.device(device).type == "cpu" and source and is_gguf(source) else None
     if quant == "file":
-        runs_native = torch.device(device).type == "cpu" and source and is_gguf(source)
-        quant = (native_kind(dtype) if runs_native else None) or fallback
+        quant = native or fallback
     if quant != "auto":
         return quant
     if torch.device(device).type != "cpu":  # the quantized kernels are torch's CPU ones
         return "none"
     from specdecode.models.autotune import draft_quant_choice, fastest_quant
 
-    return draft_quant_choice(parse_dtype(dtype), rows)[0] if draft else fastest_quant(parse_dtype(dtype), rows)
+    dt = parse_dtype(dtype)
+    return draft_quant_choice(dt, rows, native)[0] if draft else fastest_quant(dt, rows)
 
 
 def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,

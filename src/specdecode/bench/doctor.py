@@ -113,7 +113,8 @@ def diagnose(shape: tuple[int, int] = (8960, 1536), models: dict[str, ModelConfi
     # what the defaults pick: a bit-exact verify step has 9 rows, a draft step 1
     (target_dtype, dtype_why), (draft_dtype, _) = dtype_choice(VERIFY_WIDTH), dtype_choice(1)
     native = native_kind(target_dtype)
-    draft_quant, draft_why = draft_quant_choice(getattr(torch, draft_dtype), 1)  # may measure: once
+    # the default draft is a GGUF file: its own blocks where a native kernel runs them
+    draft_quant, draft_why = draft_quant_choice(getattr(torch, draft_dtype), 1, native_kind(draft_dtype))
     return {"cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "projection": list(shape), "kernels": timed, "bandwidth_gbs": round(bandwidth, 1),
