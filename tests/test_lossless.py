@@ -399,6 +399,30 @@ def test_plain_steps_leave_the_draft_model_alone_and_the_next_draft_catches_up(t
     assert drafter.cached[0][:34] == context + [7, 7]
 
 
+def test_the_draft_model_reads_the_window_of_a_new_context(tiny_pair, plain_outputs):
+    target, draft = tiny_pair
+    params = SamplingParams()
+    drafter = ModelDrafter(draft.model, 64, 256, window=8)
+    context = [5, 9, 13, 5, 9, 1, 2, 3, 11, 17] * 3  # 30 tokens
+    tokens = drafter.propose(context, 3, params, None).tokens
+    assert drafter.offset[0] == 22 and drafter.cached[0] == context[22:] + tokens[:-1]
+    assert tokens == ModelDrafter(draft.model, 64, 256).propose(context[22:], 3, params, None).tokens  # that alone
+    later = context + [tokens[0], 7]
+    drafter.propose(later, 2, params, None)
+    assert drafter.offset[0] == 22 and drafter.cached[0][:9] == later[22:31]  # the same window, grown
+    drafter.propose([4, 4, 4], 2, params, None)  # another context: a window of its own
+    assert drafter.offset[0] == 0 and drafter.cached[0][:2] == [4, 4]
+    # and greedy decoding with it is plain decoding's
+    gen = SpeculativeGenerator(target.model, ModelDrafter(draft.model, 64, 256, window=4), target.tokenizer,
+                               GammaSchedule(3))
+    accepted = 0
+    for prompt, expected in list(zip(random_prompts(N_PROMPTS, 64), plain_outputs))[:20]:
+        result = gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[])
+        assert result.token_ids == expected, f"prompt {prompt}"
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0
+
+
 def test_bad_requests_get_clear_errors(tiny_pair):
     target, _ = tiny_pair
     gen = SpeculativeGenerator(target.model, NgramDrafter(), target.tokenizer, max_context=64)

@@ -12,6 +12,9 @@ from specdecode.models.decoder import Transformer
 
 MAX_SHARED_FEED = 16  # longer feeds (a new prompt) are prefilled row by row, not padded into the shared forward
 MIN_CONFIDENCE = 0.3  # with chosen lengths, drafting stops after a token the draft gives less than this
+# the draft reads at most this many of a new context's last tokens, then every token after them: its prefill of a
+# long prompt would otherwise cost more than its drafting saves (docs/draft-lengths.md)
+WINDOW = 256
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -31,15 +34,17 @@ class ModelDrafter(Drafter):
     (one [rows, 1] forward per draft position), so drafting for 8 sequences costs about as much as for one."""
 
     def __init__(self, model: Transformer, target_vocab: int, max_len: int, min_confidence: float = 0.0,
-                 batch: int = 1) -> None:
-        self.model, self.target_vocab, self.max_len = model, target_vocab, max_len
+                 batch: int = 1, window: int = WINDOW) -> None:
+        self.model, self.target_vocab, self.max_len, self.window = model, target_vocab, max_len, window
         self.min_confidence = min_confidence  # stop drafting after a token the draft itself doubts
         # reused across requests (stale slots are never visible); slack for the padding of a shared catch-up forward
         self.cache = model.new_cache(batch, max_len + MAX_SHARED_FEED)
         self.cached: list[list[int]] = [[] for _ in range(batch)]  # per row: ids whose keys/values are cached
+        self.offset = [0] * batch  # per row: the context's tokens before the draft's window
 
     def reset(self, row: int = 0) -> None:
         self.cached[row] = []
+        self.offset[row] = 0
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         # a plain step (gamma 0) reads nothing: the row's next draft catches up on what it skipped, so a draft
@@ -67,8 +72,8 @@ class ModelDrafter(Drafter):
                 for r in requests]
 
     def _catch_up(self, requests: list[DraftRequest]) -> dict[int, list[int]]:
-        """Each row's tokens not yet in its cache (at least the last context token), a long feed (a new prompt)
-        prefilled alone but for its last token: row -> tokens to feed."""
+        """Each row's tokens not yet in its cache (at least the last context token, at most its window of a new
+        context), a long feed (a new prompt) prefilled alone but for its last token: row -> tokens to feed."""
         feeds: dict[int, list[int]] = {}
         for r in requests:
             feed = r.context[self._rollback_to_common_prefix(r.row, r.context):]
@@ -102,11 +107,14 @@ class ModelDrafter(Drafter):
         return padded
 
     def _rollback_to_common_prefix(self, row: int, context: list[int]) -> int:
-        """Drop cached ids after the first difference from the context; returns the cached length."""
+        """Drop cached ids after the first difference from the context's window; returns where in the context the
+        tokens to feed start. A new context (nothing in common) gets a new window: its last `window` tokens."""
         cached = self.cached[row]
-        i = common_prefix(cached, context[:-1])  # always re-feed at least the last token
+        i = common_prefix(cached, context[self.offset[row]:-1])  # always re-feed at least the last token
+        if i == 0:
+            self.offset[row] = max(0, len(context) - self.window)
         del cached[i:]  # O(1) for the cache itself: a row's length is len(self.cached[row])
-        return i
+        return self.offset[row] + i
 
 
 def build(setup: DraftingSetup, min_confidence: float | None = None, kind: type[ModelDrafter] = ModelDrafter
