@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,8 +12,10 @@ from specdecode.draft_lengths import MAX_GAMMA, GammaSchedule
 from specdecode.drafting import drafter_spec
 from specdecode.drafting.base import Drafter, DraftingSetup
 from specdecode.engine import DEFAULT_MAX_CONTEXT, SpeculativeGenerator
-from specdecode.errors import InvalidRequestError
-from specdecode.models.catalog import DEFAULT_DRAFT
+from specdecode.errors import InvalidRequestError, ModelLoadError
+from specdecode.models.catalog import DEFAULT_DRAFT, resolve
+from specdecode.models.config import ModelConfig
+from specdecode.models.gguf_loader import read_gguf_config
 from specdecode.models.linear import kernel, kernels
 from specdecode.models.loading import LoadedModel, is_gguf, load_model, parse_dtype
 from specdecode.paths import cache_dir
@@ -21,6 +24,9 @@ if TYPE_CHECKING:
     from specdecode.heads.format import Head
 
 VERIFY_WIDTH = MAX_GAMMA + 1  # rows of every target decode forward in bit-exact mode
+# a draft model's default vocabulary: its first ids (Qwen2.5's 65536 first hold 98% of Spec-Bench's answer tokens),
+# a lm_head 2.3x smaller than the 0.5B's 151936 rows, which were a third of its weights (docs/draft-lengths.md)
+DRAFT_VOCAB = 65536
 
 
 def resolve_dtype(dtype: str, rows: int, device: str = "cpu") -> str:
@@ -84,11 +90,25 @@ def load_draft(draft: str, *, dtype: str = "auto", device: str = "cpu", quant: s
     """The draft's precision never changes the output, so by default ('auto') it gets whatever kernel drafts fastest
     here ('file' keeps its file's own blocks, as the target's default does).
     vocab: draft only among the first `vocab` token ids (a smaller lm_head; still lossless, since verification
-    only needs q at the proposed tokens and q = 0 elsewhere)."""
+    only needs q at the proposed tokens and q = 0 elsewhere); default DRAFT_VOCAB where the draft has more."""
+    if vocab is None:
+        vocab = _default_vocab(draft)
     dtype = resolve_dtype(dtype, batch, device)
     # the head too (a third of the 0.5B); a draft's kernel never changes the output
     quant = resolve_quant(quant, dtype, batch, device, draft, fallback="auto", draft=True)
     return load_model(draft, dtype=dtype, device=device, quant=quant, head_rows=vocab, head_quant=quant)
+
+
+def _default_vocab(draft: str) -> int | None:
+    """DRAFT_VOCAB where the draft's vocabulary is larger, else None (all of it; also where its config does not
+    read: loading it then says why)."""
+    try:
+        path = resolve(draft)
+        cfg = read_gguf_config(path) if is_gguf(path) else \
+            ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, ModelLoadError):
+        return None
+    return DRAFT_VOCAB if cfg.vocab_size > DRAFT_VOCAB else None
 
 
 def default_head_dir(target: LoadedModel, kind: str) -> Path:

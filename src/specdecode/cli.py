@@ -68,7 +68,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="the draft's linears, same choices; default auto (the fastest kernel here): the draft's "
                         "precision never changes the output, only how often its tokens are accepted")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="the draft proposes only the first N token ids (a smaller, faster lm_head; lossless)")
+                   help="the draft proposes only the first N token ids (a smaller, faster lm_head; lossless); "
+                        "default 65536 where the draft has more")
 
 
 def _add_prompts_tool_args(p: argparse.ArgumentParser, limit: int) -> None:
@@ -651,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a fixed draft length, 1..8, for our drafting methods that name none (default: each "
                         "drafter's own, chosen each step where it can)")
     b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="the draft model proposes only the first N token ids (a smaller, faster lm_head; lossless)")
+                   help="the draft model proposes only the first N token ids (a smaller, faster lm_head; lossless); "
+                        "default 65536 where the draft has more")
     b.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     b.add_argument("--categories", nargs="+", default=None)
     b.add_argument("--per-category", type=int, default=2, help="the first N questions of each category (0 = all)")
