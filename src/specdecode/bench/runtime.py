@@ -222,7 +222,7 @@ def run_runtime_bench(models: list[str], dtypes: list[str], *, context: int = 50
     for dtype in dtypes:
         for quant in quants or ["file"]:
             d = measure("ours", draft, dtype, context, ks, repeats, None, quant, True, draft_vocab)
-            what = f"head, vocab {d['head_rows']}" if is_head(draft) else f"vocab {draft_vocab or 'all'}"
+            what = f"head, vocab {d['head_rows']}" if is_head(draft) else f"vocab {d['head_rows']}"
             report(draft, dtype, quant, "specdecode draft", d, f"specdecode draft ({what})", draft_vocab=draft_vocab)
             for t in (t for t in targets if (t["dtype"], t["quant"]) == (dtype, quant) and 1 in ks):
                 t["draft_step_fraction"] = d["ms"][1] / t["ms"][1]

@@ -36,7 +36,8 @@ namespace {
 constexpr int kTile = 16;  // rows per tile: one 32-bit lane each
 constexpr int kReg = 32;  // inputs per register
 constexpr int kSpan = 256;  // inputs per activation scale
-constexpr int kMaxChunk = 8;  // tokens per pass over a tile
+constexpr int kChunk = 8;  // tokens per pass over a tile
+constexpr int kMaxChunk = 10;  // up to this many in one pass (a verify of 9 rows: one pass; more spill registers)
 
 // bytes per register of a tile
 constexpr int reg_bytes(int bits) { return kTile * (bits == 4 ? 16 : bits == 5 ? 20 : bits == 6 ? 24 : 32); }
@@ -408,7 +409,8 @@ using TileFn = void (*)(const Tile&, const Format&, const Acts&, int64_t, float*
 template <int Bits>
 constexpr TileFn kChunks[kMaxChunk + 1] = {nullptr, tile_chunk<1, Bits>, tile_chunk<2, Bits>, tile_chunk<3, Bits>,
                                            tile_chunk<4, Bits>, tile_chunk<5, Bits>, tile_chunk<6, Bits>,
-                                           tile_chunk<7, Bits>, tile_chunk<8, Bits>};
+                                           tile_chunk<7, Bits>, tile_chunk<8, Bits>, tile_chunk<9, Bits>,
+                                           tile_chunk<10, Bits>};
 
 const TileFn* chunk_functions(int bits) {
   switch (bits) {
@@ -494,8 +496,9 @@ torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, to
       const int valid = static_cast<int>(std::min<int64_t>(kTile, rows - i * kTile));
       // the next tile's codes are fetched while the first pass over this one computes
       const uint8_t* ahead = i + 1 < end ? tile.w + tile_bytes : nullptr;
-      for (int64_t t0 = 0; t0 < k; t0 += kMaxChunk)
-        chunks[std::min<int64_t>(kMaxChunk, k - t0)](tile, f, acts, t0, o + i * kTile, rows, valid, t0 == 0 ? ahead : nullptr);
+      const int64_t chunk = k <= kMaxChunk ? k : kChunk;
+      for (int64_t t0 = 0; t0 < k; t0 += chunk)
+        chunks[std::min<int64_t>(chunk, k - t0)](tile, f, acts, t0, o + i * kTile, rows, valid, t0 == 0 ? ahead : nullptr);
     }
   });
   return out;
