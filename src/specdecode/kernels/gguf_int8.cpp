@@ -221,8 +221,9 @@ void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 const char* kPath = "avx2";
 
-// The same on AVX2, a tile as two halves of 8 rows. Without VNNI, codes * q in int16 pairs (vpmaddubsw), 8-bit codes
-// as signed code + bias (the bias then needs no Qs term: the same integer J).
+// The same on AVX2, a tile as two halves of 8 rows. Without VNNI, codes * q in int16 pair sums (vpmaddubsw) times the
+// sub-scales (vpmaddwd: no int32 multiply per group), 8-bit codes as signed code + bias (the bias then needs no Qs
+// term: the same integer J).
 template <int Bits>
 inline __m256i high_bits(const uint8_t* p, int j) {
   if constexpr (Bits == 5) {
@@ -256,13 +257,18 @@ inline void load_slices(const uint8_t* p, int v, int half, __m256i& s0, __m256i&
   }
 }
 
+// one slice's codes u times one token's 4 q per lane, as vpmaddubsw's two int16 pair sums (8-bit codes signed: |u|
+// times q with u's sign)
 template <int Bits>
-inline __m256i dot4(__m256i g, __m256i u, __m256i q) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (Bits == 8)
-    return _mm256_add_epi32(g, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u)), ones));
-  else
-    return _mm256_add_epi32(g, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones));
+inline __m256i pair_sums(__m256i u, __m256i q) {
+  if constexpr (Bits == 8) return _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+  else return _mm256_maddubs_epi16(u, q);
+}
+
+// a group's sub-scales for rows 8 * half .. 8 * half + 7, each in both int16 halves of its lane
+inline __m256i group_scales(const int8_t* sc, int half) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * half)));
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
 }
 
 inline __m256i coefficient_pair(const Tile& w, const Format& f, int64_t s, int p, int half) {
@@ -271,7 +277,7 @@ inline __m256i coefficient_pair(const Tile& w, const Format& f, int64_t s, int p
   __m256i c0, c1;
   if (f.offset) {
     c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.m + g0 * kTile + 8 * half)));
-    c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.m + g1 * kTile + 8 * half)));
+    c1 = g1 == g0 ? c0 : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.m + g1 * kTile + 8 * half)));
   } else {
     const __m256i bias = _mm256_set1_epi32(f.bias);
     c0 = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + g0 * kTile + 8 * half))), bias);
@@ -280,71 +286,82 @@ inline __m256i coefficient_pair(const Tile& w, const Format& f, int64_t s, int p
   return _mm256_or_si256(_mm256_and_si256(c0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c1, 16));
 }
 
-template <int T, int Bits>
+// H halves of a tile at once: both for one or two tokens (fewer passes over the codes), one at a time for more
+// (AVX2 has 16 registers)
+template <int T, int Bits, int H = (T <= 2 ? 2 : 1)>
 void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float* out, int64_t N, int rows,
                 const uint8_t* ahead) {
   const int regs = f.block / kReg, slices = f.group / 4, pairs = f.block / 32;
   const bool ktype = f.block == 256;
   const bool bias_term = f.bias != 0 && Bits != 8;  // 8-bit codes already hold their bias here
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[H][T];
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) acc[h][t] = _mm256_setzero_ps();
     const uint8_t* p = w.w;
     for (int64_t s = 0; s < x.K / f.block; ++s) {
-      __m256i J[T], G[T];
-      for (int t = 0; t < T; ++t) J[t] = _mm256_setzero_si256();
+      __m256i J[H][T], M[H][T];
+      for (int h = 0; h < H; ++h)
+        for (int t = 0; t < T; ++t) J[h][t] = _mm256_setzero_si256();
       for (int r = 0; r < regs; ++r, p += reg_bytes(Bits)) {
         const int64_t reg = s * regs + r;
-        if (ahead && half == 0)
+        if (ahead && h0 == 0)
           for (int l = 0; l < reg_bytes(Bits); l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + (p - w.w) + l), _MM_HINT_T0);
-        for (int t = 0; t < T; ++t) G[t] = _mm256_setzero_si256();
+        __m256i sc[H];
+        for (int h = 0; h < H; ++h) sc[h] = _mm256_set1_epi16(1);
         for (int v = 0; v < 4; ++v) {
-          __m256i s0, s1;
-          load_slices<Bits>(p, v, half, s0, s1);
-          const int8_t* q = x.q + (t0 * x.K) + reg * kReg + 8 * v;
-          for (int t = 0; t < T; ++t, q += x.K) {
-            G[t] = dot4<Bits>(G[t], s0, _mm256_set1_epi32(load32(q)));
-            G[t] = dot4<Bits>(G[t], s1, _mm256_set1_epi32(load32(q + 4)));
-          }
-          if (ktype && (2 * v + 2) % slices == 0) {
-            const int64_t g = (reg * kReg + 8 * v + 7) / f.group;
-            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + g * kTile + 8 * half)));
-            for (int t = 0; t < T; ++t) {
-              J[t] = _mm256_add_epi32(J[t], _mm256_mullo_epi32(G[t], sc));
-              G[t] = _mm256_setzero_si256();
+          for (int h = 0; h < H; ++h) {
+            if (ktype && (2 * v) % slices == 0) sc[h] = group_scales(w.sc + (reg * kReg + 8 * v) / f.group * kTile, h0 + h);
+            __m256i s0, s1;
+            load_slices<Bits>(p, v, h0 + h, s0, s1);
+            // the two slices' int16 sums added before vpmaddwd applies the sub-scale: at most 2 * 2 * 63 * 127
+            // (6 bits), and the 8-bit codes' sums (up to 2 * 2 * 128 * 127) are kept apart
+            const int8_t* q = x.q + (t0 * x.K) + reg * kReg + 8 * v;
+            for (int t = 0; t < T; ++t, q += x.K) {
+              const __m256i a0 = pair_sums<Bits>(s0, _mm256_set1_epi32(load32(q)));
+              const __m256i a1 = pair_sums<Bits>(s1, _mm256_set1_epi32(load32(q + 4)));
+              if constexpr (Bits == 8)
+                J[h][t] = _mm256_add_epi32(J[h][t], _mm256_add_epi32(_mm256_madd_epi16(a0, sc[h]), _mm256_madd_epi16(a1, sc[h])));
+              else
+                J[h][t] = _mm256_add_epi32(J[h][t], _mm256_madd_epi16(_mm256_add_epi16(a0, a1), sc[h]));
             }
           }
         }
-        if (!ktype)
-          for (int t = 0; t < T; ++t) J[t] = _mm256_add_epi32(J[t], G[t]);
       }
       if (bias_term || f.offset) {
-        for (int t = 0; t < T; ++t) G[t] = _mm256_setzero_si256();
-        for (int pr = 0; pr < pairs; ++pr) {
-          const __m256i c = coefficient_pair(w, f, s, pr, half);
-          const int16_t* qs = x.qs + t0 * (x.K / 16) + s * f.block / 16 + 2 * pr;
-          for (int t = 0; t < T; ++t, qs += x.K / 16) {
-            const __m256i prod = _mm256_madd_epi16(c, _mm256_set1_epi32(load32(qs)));
-            if (f.offset) G[t] = _mm256_add_epi32(G[t], prod);
-            else J[t] = _mm256_add_epi32(J[t], prod);
+        for (int h = 0; h < H; ++h) {
+          for (int t = 0; t < T; ++t) M[h][t] = _mm256_setzero_si256();
+          for (int pr = 0; pr < pairs; ++pr) {
+            const __m256i c = coefficient_pair(w, f, s, pr, h0 + h);
+            const int16_t* qs = x.qs + t0 * (x.K / 16) + s * f.block / 16 + 2 * pr;
+            for (int t = 0; t < T; ++t, qs += x.K / 16) {
+              const __m256i prod = _mm256_madd_epi16(c, _mm256_set1_epi32(load32(qs)));
+              if (f.offset) M[h][t] = _mm256_add_epi32(M[h][t], prod);
+              else J[h][t] = _mm256_add_epi32(J[h][t], prod);
+            }
           }
         }
       }
       const int64_t span = s * f.block / kSpan;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + s * kTile + 8 * half)));
-      const __m256 dm = f.offset ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dm + s * kTile + 8 * half)))
-                                 : _mm256_setzero_ps();
-      for (int t = 0; t < T; ++t) {
-        const __m256 a = _mm256_set1_ps(x.a[(t0 + t) * x.spans + span]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(J[t]), _mm256_mul_ps(d, a), acc[t]);
-        if (f.offset) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(G[t]), _mm256_mul_ps(dm, a), acc[t]);
+      for (int h = 0; h < H; ++h) {
+        const int half = h0 + h;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + s * kTile + 8 * half)));
+        const __m256 dm = f.offset
+            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dm + s * kTile + 8 * half)))
+            : _mm256_setzero_ps();
+        for (int t = 0; t < T; ++t) {
+          const __m256 a = _mm256_set1_ps(x.a[(t0 + t) * x.spans + span]);
+          acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(J[h][t]), _mm256_mul_ps(d, a), acc[h][t]);
+          if (f.offset) acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M[h][t]), _mm256_mul_ps(dm, a), acc[h][t]);
+        }
       }
     }
-    for (int t = 0; t < T; ++t) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, acc[t]);
-      for (int l = 0; l < 8 && 8 * half + l < rows; ++l) out[(t0 + t) * N + 8 * half + l] = lanes[l];
-    }
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[h][t]);
+        for (int l = 0; l < 8 && 8 * (h0 + h) + l < rows; ++l) out[(t0 + t) * N + 8 * (h0 + h) + l] = lanes[l];
+      }
   }
 }
 
