@@ -110,13 +110,13 @@ def dtype_choice(rows: int) -> tuple[str, str]:
 def draft_quant_choice(dtype: torch.dtype, rows: int, native: str | None = None) -> tuple[str, str]:
     """(quant, why): the draft's kernels (`--draft-quant auto`). With AMX, int4-amx: as fast as any for one row and,
     on the tiles, for the prompt the draft must prefill too (w4a8 is faster for one row there, and many times slower
-    for a prompt). Elsewhere a GGUF draft's own blocks where `native` (its file's native kernel here) is given: about
-    as fast for one row as the fastest re-quantized kernel and faster for the prompt (docs/kernels.md). Else the
-    fastest measured for `rows` rows."""
+    for a prompt). Elsewhere a GGUF draft's own blocks where `native` (its file's native kernel here) is given: faster
+    for the prompt than a re-quantized kernel and about as fast for one row (docs/kernels.md). Else the fastest
+    measured for `rows` rows."""
     if cpu_class() == "amx" and kernel_available("int4-amx"):
         return "int4-amx", "AMX: int4 tiles, fast for one row and for the prompt"
     if native is not None:
-        return native, "its GGUF file's own blocks: as fast for one row, faster for the prompt"
+        return native, "its GGUF file's own blocks: faster for the prompt it prefills, about as fast for one row"
     return fastest_quant(dtype, rows, changes_outputs=False), f"measured for {rows}-row matmuls"
 
 
