@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,8 +13,8 @@ from specdecode.drafting.base import Drafter, DraftingSetup
 from specdecode.engine import DEFAULT_MAX_CONTEXT, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.catalog import DEFAULT_DRAFT, resolve
-from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_loader import read_gguf_config
+from specdecode.models.hf_loader import read_hf_config
 from specdecode.models.linear import kernel, kernels
 from specdecode.models.loading import LoadedModel, is_gguf, load_model, parse_dtype
 from specdecode.paths import cache_dir
@@ -53,6 +52,8 @@ def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source
     """'file': the precision of the file `source`: a GGUF file's own blocks on this CPU's native kernel for `dtype`;
     where there is none (safetensors, no native kernel for this CPU) `fallback`. 'auto': the fastest kernel on this
     CPU for matmuls of `rows` rows (measured once and cached); for a draft, `draft_quant_choice`."""
+    if quant not in ("file", "auto"):
+        return quant
     native = native_kind(dtype) if torch.device(device).type == "cpu" and source and is_gguf(source) else None
     if quant == "file":
         quant = native or fallback
@@ -104,9 +105,8 @@ def _default_vocab(draft: str) -> int | None:
     read: loading it then says why)."""
     try:
         path = resolve(draft)
-        cfg = read_gguf_config(path) if is_gguf(path) else \
-            ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    except (OSError, ValueError, KeyError, ModelLoadError):
+        cfg = read_gguf_config(path) if is_gguf(path) else read_hf_config(path)
+    except (OSError, ValueError, ModelLoadError):
         return None
     return DRAFT_VOCAB if cfg.vocab_size > DRAFT_VOCAB else None
 

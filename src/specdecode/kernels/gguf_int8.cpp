@@ -105,7 +105,7 @@ inline __m512i dot2(__m512i j, __m512i c, __m512i q) {
 #endif
 }
 
-// bits 4 and up of slice j, in place for an OR with its nibbles; h: the register's high-bit vector for the slice
+// bits 4 and up of slice j, in place for an OR with its nibbles; p: the register's vectors of high bits
 template <int Bits>
 inline __m512i high_bits(const uint8_t* p, int j) {
   if constexpr (Bits == 5) {
@@ -156,7 +156,7 @@ inline __m512i coefficient_pair(const Tile& w, const Format& f, int64_t s, int p
 
 // T tokens' outputs of one tile of 16 rows
 template <int T, int Bits>
-void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float* out, int64_t N, int rows,
+void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float* out, int64_t N,
                 const uint8_t* ahead) {
   const int regs = f.block / kReg, slices = f.group / 4, pairs = f.block / 32;
   const bool ktype = f.block == 256;
@@ -214,8 +214,7 @@ void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float
       if (f.offset) acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(G[t]), _mm512_mul_ps(dm, a), acc[t]);
     }
   }
-  const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1);
-  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + (t0 + t) * N, valid, acc[t]);
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + (t0 + t) * N, acc[t]);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -265,10 +264,15 @@ inline __m256i pair_sums(__m256i u, __m256i q) {
   else return _mm256_maddubs_epi16(u, q);
 }
 
+// per 32-bit lane, lo's low 16 bits in the low int16 and hi's in the high one
+inline __m256i int16_pairs(__m256i lo, __m256i hi) {
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+
 // a group's sub-scales for rows 8 * half .. 8 * half + 7, each in both int16 halves of its lane
 inline __m256i group_scales(const int8_t* sc, int half) {
   const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * half)));
-  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+  return int16_pairs(v, v);
 }
 
 inline __m256i coefficient_pair(const Tile& w, const Format& f, int64_t s, int p, int half) {
@@ -283,13 +287,13 @@ inline __m256i coefficient_pair(const Tile& w, const Format& f, int64_t s, int p
     c0 = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + g0 * kTile + 8 * half))), bias);
     c1 = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + g1 * kTile + 8 * half))), bias);
   }
-  return _mm256_or_si256(_mm256_and_si256(c0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c1, 16));
+  return int16_pairs(c0, c1);
 }
 
 // H halves of a tile at once: both for one or two tokens (fewer passes over the codes), one at a time for more
 // (AVX2 has 16 registers)
 template <int T, int Bits, int H = (T <= 2 ? 2 : 1)>
-void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float* out, int64_t N, int rows,
+void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float* out, int64_t N,
                 const uint8_t* ahead) {
   const int regs = f.block / kReg, slices = f.group / 4, pairs = f.block / 32;
   const bool ktype = f.block == 256;
@@ -357,11 +361,7 @@ void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float
       }
     }
     for (int h = 0; h < H; ++h)
-      for (int t = 0; t < T; ++t) {
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, acc[h][t]);
-        for (int l = 0; l < 8 && 8 * (h0 + h) + l < rows; ++l) out[(t0 + t) * N + 8 * (h0 + h) + l] = lanes[l];
-      }
+      for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + (t0 + t) * N + 8 * (h0 + h), acc[h][t]);
   }
 }
 
@@ -388,10 +388,10 @@ inline int32_t code_at(const uint8_t* p, int r, int j) {
 }
 
 template <int T, int Bits>
-void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float* out, int64_t N, int rows,
+void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float* out, int64_t N,
                 const uint8_t* ahead) {
   const int regs = f.block / kReg;
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < kTile; ++r) {
     for (int t = 0; t < T; ++t) {
       const int8_t* q = x.q + (t0 + t) * x.K;
       const int16_t* qs = x.qs + (t0 + t) * (x.K / 16);
@@ -421,7 +421,7 @@ void tile_chunk(const Tile& w, const Format& f, const Acts& x, int64_t t0, float
 }
 #endif
 
-using TileFn = void (*)(const Tile&, const Format&, const Acts&, int64_t, float*, int64_t, int, const uint8_t*);
+using TileFn = void (*)(const Tile&, const Format&, const Acts&, int64_t, float*, int64_t, const uint8_t*);
 
 template <int Bits>
 constexpr TileFn kChunks[kMaxChunk + 1] = {nullptr, tile_chunk<1, Bits>, tile_chunk<2, Bits>, tile_chunk<3, Bits>,
@@ -469,9 +469,9 @@ void quantize(const X* x, int64_t k, int64_t K, Activations& act) {
 
 // x: [k, K] float32 or bfloat16; w: [N / 16, K / 32 * 16 * register bytes] uint8; d, dm: [N / 16, K / block, 16]
 // int16 (float16 bits; dm empty without offsets); sc, m: [N / 16, K / group, 16] int8 (empty for the block-32 types)
-// -> [k, rows] float32 (rows <= N: the real rows of the padded last tile)
+// -> [k, N] float32 (N: whole tiles, the padding rows of the last one included)
 torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor dm, torch::Tensor sc,
-                           torch::Tensor m, int64_t bits, int64_t block, int64_t group, int64_t bias, int64_t rows) {
+                           torch::Tensor m, int64_t bits, int64_t block, int64_t group, int64_t bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "x must be [k, K] float32 or bfloat16");
   x = x.contiguous();
@@ -482,7 +482,6 @@ torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, to
               w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
               w.size(1) == K / kReg * reg_bytes(static_cast<int>(bits)),
               "codes must be contiguous [N / 16, K / 32 * ", reg_bytes(static_cast<int>(bits)), "] uint8 for K = ", K);
-  TORCH_CHECK(0 < rows && rows <= tiles * kTile, "rows must be in 1..", tiles * kTile);
   TORCH_CHECK(d.scalar_type() == torch::kInt16 && d.is_contiguous() &&
               d.sizes() == torch::IntArrayRef({tiles, K / block, kTile}), "d must be contiguous [N / 16, K / block, 16] int16");
   TORCH_CHECK(!offset || (dm.scalar_type() == torch::kInt16 && dm.is_contiguous() && dm.sizes() == d.sizes()),
@@ -495,7 +494,8 @@ torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, to
   Activations act;
   if (x.scalar_type() == torch::kFloat32) quantize(x.data_ptr<float>(), k, K, act);
   else quantize(x.data_ptr<at::BFloat16>(), k, K, act);
-  torch::Tensor out = torch::empty({k, rows}, torch::kFloat32);
+  const int64_t N = tiles * kTile;
+  torch::Tensor out = torch::empty({k, N}, torch::kFloat32);
   float* o = out.data_ptr<float>();
   const Format f{static_cast<int>(bits), static_cast<int>(block), static_cast<int>(group), static_cast<int>(bias), offset};
   const Acts acts{act.q.data(), act.qs.data(), act.a.data(), K, (K + kSpan - 1) / kSpan};
@@ -505,17 +505,15 @@ torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, to
   const auto* dmp = offset ? reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()) : nullptr;
   const int8_t* scp = ktype ? sc.data_ptr<int8_t>() : nullptr;
   const auto* mp = ktype && offset ? reinterpret_cast<const uint8_t*>(m.data_ptr<int8_t>()) : nullptr;
-  const int64_t used = (rows + kTile - 1) / kTile;
-  at::parallel_for(0, used, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Tile tile{wp + i * tile_bytes, dp + i * nb, dmp ? dmp + i * nb : nullptr, scp ? scp + i * ng : nullptr,
                       mp ? mp + i * ng : nullptr};
-      const int valid = static_cast<int>(std::min<int64_t>(kTile, rows - i * kTile));
       // the next tile's codes are fetched while the first pass over this one computes
       const uint8_t* ahead = i + 1 < end ? tile.w + tile_bytes : nullptr;
       const int64_t chunk = k <= kMaxChunk ? k : kChunk;
       for (int64_t t0 = 0; t0 < k; t0 += chunk)
-        chunks[std::min<int64_t>(chunk, k - t0)](tile, f, acts, t0, o + i * kTile, rows, valid, t0 == 0 ? ahead : nullptr);
+        chunks[std::min<int64_t>(chunk, k - t0)](tile, f, acts, t0, o + i * kTile, N, t0 == 0 ? ahead : nullptr);
     }
   });
   return out;

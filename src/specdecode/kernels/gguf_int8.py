@@ -142,8 +142,7 @@ def gguf_int8_mm(x: torch.Tensor, fmt: BlockFormat, buffers: dict[str, torch.Ten
     if ext is None:
         raise RuntimeError("--quant gguf-int8 needs an AVX2 CPU and a C++ compiler here")
     y = ext.gguf_int8_mm(x, buffers["w"], buffers["d"], buffers.get("dm", NO_INT16), buffers.get("sc", NO_INT8),
-                         buffers.get("m", NO_INT8), fmt.bits, fmt.block, fmt.group, fmt.bias,
-                         buffers["w"].shape[0] * TILE)
+                         buffers.get("m", NO_INT8), fmt.bits, fmt.block, fmt.group, fmt.bias)
     return y.to(out_dtype)
 
 

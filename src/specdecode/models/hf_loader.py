@@ -13,15 +13,20 @@ from specdecode.errors import ModelLoadError
 from specdecode.models.config import ModelConfig
 
 
-def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (Hugging Face parameter names) of a checkpoint folder."""
+def read_hf_config(folder: Path) -> ModelConfig:
+    """A checkpoint folder's config (config.json), without its weights."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
-        cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
+        return ModelConfig.from_hf(json.loads(config_path.read_text()))
     except (json.JSONDecodeError, KeyError) as e:
         raise ModelLoadError(f"{config_path} is not a valid model config: {e!r}") from e
+
+
+def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (Hugging Face parameter names) of a checkpoint folder."""
+    cfg = read_hf_config(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
