@@ -412,6 +412,11 @@ def test_the_draft_model_reads_the_window_of_a_new_context(tiny_pair, plain_outp
     assert drafter.offset[0] == 22 and drafter.cached[0][:9] == later[22:31]  # the same window, grown
     drafter.propose([4, 4, 4], 2, params, None)  # another context: a window of its own
     assert drafter.offset[0] == 0 and drafter.cached[0][:2] == [4, 4]
+    drafter.propose([4, 4, 6, 6, 6], 2, params, None)  # what it shares is kept, the rest fed
+    assert drafter.offset[0] == 0 and drafter.cached[0][:4] == [4, 4, 6, 6]
+    longer = [4, 4] + context  # shares a prefix, but more than a window is new: a new window
+    drafter.propose(longer, 2, params, None)
+    assert drafter.offset[0] == 24 and drafter.cached[0][:7] == longer[24:31]
     # and greedy decoding with it is plain decoding's
     gen = SpeculativeGenerator(target.model, ModelDrafter(draft.model, 64, 256, window=4), target.tokenizer,
                                GammaSchedule(3))
@@ -421,6 +426,31 @@ def test_the_draft_model_reads_the_window_of_a_new_context(tiny_pair, plain_outp
         assert result.token_ids == expected, f"prompt {prompt}"
         accepted += result.stats.accepted_tokens
     assert accepted > 0
+
+
+def test_the_draft_model_keeps_what_a_next_request_shares(tiny_pair, plain_outputs):
+    target, draft = tiny_pair
+    params = SamplingParams()
+    drafter = ModelDrafter(draft.model, 64, 256, window=8)
+    fed: list[list[int]] = []
+    forward = drafter._forward
+    drafter._forward = lambda rows, feeds, logits=True: fed.append(feeds[0]) or forward(rows, feeds, logits)
+    first = [5, 9, 13, 5, 9, 1, 2]
+    drafter.propose(first, 2, params, None)
+    drafter.reset(0)  # a next request with the same first five tokens (a system prompt): only the rest is fed
+    fed.clear()
+    drafter.propose(first[:5] + [7, 7, 3], 2, params, None)
+    assert fed[0] == [7, 7, 3] and drafter.cached[0][:5] == first[:5]
+    drafter.propose(list(range(1, 30)), 2, params, None)  # a window that starts later
+    assert drafter.offset[0] == 21
+    drafter.reset(0)  # is dropped at the next request: what came before it is not known
+    fed.clear()
+    drafter.propose(list(range(1, 10)), 2, params, None)
+    assert drafter.offset[0] == 1 and fed[0] == list(range(2, 10))
+    # and greedy decoding with one drafter across requests is plain decoding's
+    gen = SpeculativeGenerator(target.model, ModelDrafter(draft.model, 64, 256), target.tokenizer, GammaSchedule(3))
+    for prompt, expected in list(zip(random_prompts(N_PROMPTS, 64), plain_outputs))[:10]:
+        assert gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids == expected, f"prompt {prompt}"
 
 
 def test_bad_requests_get_clear_errors(tiny_pair):

@@ -361,8 +361,8 @@ def test_the_drafts_kernel_is_int4_amx_on_amx_else_its_blocks_or_measured(monkey
                         "w4a8" if not changes_outputs else "none")
     expected = "int4-amx" if cls == "amx" else "w4a8"  # a draft's measurement may use the fastest seen
     assert autotune.draft_quant_choice(torch.bfloat16, 1)[0] == expected
-    # a GGUF draft runs its own blocks where a native int8 kernel does (faster for the prompt it prefills)
-    expected = "int4-amx" if cls == "amx" else "gguf-int8"
+    # a GGUF draft runs its blocks where a native int8 kernel does (faster for the prompt it prefills), in 4 bits
+    expected = "int4-amx" if cls == "amx" else "gguf-q4"
     assert autotune.draft_quant_choice(torch.bfloat16, 1, "gguf-int8")[0] == expected
 
 

@@ -94,7 +94,7 @@ def test_the_drafters_and_kernels_are_the_modules_declarations():
         "eagle3", "medusa", "model", "model-tree", "ngram", "ngram-tree", "suffix", "suffix-chain"}
     assert list(kernels())[0] == "none"
     assert set(kernels()) == {"none", "int8", "int4", "int4-amx", "int8-amx", "w4a8", "w6a8", "w8a8", "gguf",
-                              "gguf-int8"}
+                              "gguf-int8", "gguf-q4"}
     for kind, cls in kernels().items():
         assert cls.kind == kind and cls.head in kernels()
         assert parse_quant(kind)[0] == kind

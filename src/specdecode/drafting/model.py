@@ -43,8 +43,11 @@ class ModelDrafter(Drafter):
         self.offset = [0] * batch  # per row: the context's tokens before the draft's window
 
     def reset(self, row: int = 0) -> None:
-        self.cached[row] = []
-        self.offset[row] = 0
+        """A new request on the row: what it shares with the row's cached tokens from the start (a system prompt, an
+        earlier turn) is not fed again; a window that started later is dropped (what came before it is unknown)."""
+        if self.offset[row]:
+            self.cached[row] = []
+            self.offset[row] = 0
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         # a plain step (gamma 0) reads nothing: the row's next draft catches up on what it skipped, so a draft
@@ -108,11 +111,15 @@ class ModelDrafter(Drafter):
 
     def _rollback_to_common_prefix(self, row: int, context: list[int]) -> int:
         """Drop cached ids after the first difference from the context's window; returns where in the context the
-        tokens to feed start. A new context (nothing in common) gets a new window: its last `window` tokens."""
+        tokens to feed start. A new context gets a new window, its last `window` tokens, unless what it shares
+        with the cached ones leaves fewer than `window` to feed (a next turn, or a prompt after one with the same
+        system prompt)."""
         cached = self.cached[row]
         i = common_prefix(cached, context[self.offset[row]:-1])  # always re-feed at least the last token
-        if i == 0:
-            self.offset[row] = max(0, len(context) - self.window)
+        if i == 0 or len(context) - self.offset[row] - i > self.window:
+            offset = max(0, len(context) - self.window)
+            if offset != self.offset[row]:  # the cached keys sit at other positions
+                self.offset[row], i = offset, 0
         del cached[i:]  # O(1) for the cache itself: a row's length is len(self.cached[row])
         return self.offset[row] + i
 

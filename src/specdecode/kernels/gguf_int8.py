@@ -8,6 +8,7 @@ computed the same way whatever the number of rows (row-invariant). `reference_mm
 from __future__ import annotations
 
 from functools import cache
+from typing import ClassVar
 from pathlib import Path
 from types import ModuleType
 
@@ -153,7 +154,7 @@ class GgufInt8Linear(BlockLinear):
     help = "a GGUF file's own blocks as stored, int8 activations (AVX2 and AVX-512 CPUs, as llama.cpp)"
     requires = "a GGUF file and a CPU with AVX2 and a C++ compiler"
     head = "gguf-int8"
-    native_dtypes = ("float32", "bfloat16")  # quantized to int8 either way
+    native_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")  # quantized to int8 either way
     pack = staticmethod(pack)
     unpack = staticmethod(unpack)
     mm = staticmethod(gguf_int8_mm)

@@ -16,7 +16,8 @@ forward. Two ways, chosen per model:
   step and a (1 + gamma)-token verify step run the same kernels on the same shapes. The PyTorch
   attention walks the cache in fixed blocks of `ATTN_BLOCK` keys in a fixed order (online softmax), so
   a query's reductions do not depend on the cache length or on masked keys.
-Longer forwards (prefills) use the PyTorch ops; plain and speculative decoding prefill the same way.
+Longer forwards (prefills) use the PyTorch ops, attention PyTorch's fused kernel; plain and speculative decoding
+prefill the same way, in one forward of the same shapes.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class StepInputs:
     rows: [B] cache rows (None: 0..B-1; fused: never None); slots: [B, T] cache slots written; fused: run the
     C++ decode ops.
     Fused: cos, sin [B, T, hd] float32, mask [B, T, K] bool. PyTorch ops: cos, sin [B, 1, T, hd] in the
-    model dtype, mask a list of [B, 1, T, ATTN_BLOCK] per cache block (see `blocked_attention`).
+    model dtype; mask a list of [B, 1, T, ATTN_BLOCK] per cache block (bit-exact: see `blocked_attention`), or
+    [B, T, K] bool (not bit-exact: PyTorch's fused attention, see `cached_attention`).
     """
 
     rows: torch.Tensor | None
@@ -158,7 +160,6 @@ class Block(nn.Module):
             x = x + self.o(attn)
             return x + self.down(decode_ops.silu_mul(self.gate_up(decode_ops.rms_norm(x, self.mlp_norm,
                                                                                         cfg.rms_norm_eps))))
-        assert isinstance(step.mask, list)  # a mask per cache block (see StepInputs)
         qkv = self.qkv(rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
         q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
@@ -169,7 +170,10 @@ class Block(nn.Module):
         index = (torch.arange(B, device=x.device) if step.rows is None else step.rows).view(B, 1)
         cache.k[layer].permute(0, 2, 1, 3)[index, step.slots] = k.transpose(1, 2)
         cache.v[layer].permute(0, 2, 1, 3)[index, step.slots] = v.transpose(1, 2)
-        attn = blocked_attention(q, cache.k[layer], cache.v[layer], step.rows, step.mask)  # [B, H, T, hd]
+        if isinstance(step.mask, list):
+            attn = blocked_attention(q, cache.k[layer], cache.v[layer], step.rows, step.mask)  # [B, H, T, hd]
+        else:
+            attn = cached_attention(q, cache.k[layer], cache.v[layer], step.rows, step.slots, step.mask)
         x = x + self.o(attn.transpose(1, 2).reshape(B, T, H * hd))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
@@ -209,6 +213,25 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         acc = acc * alpha + p @ vb
         m = m_new
     return (acc / denom).view(B, H, T, hd).to(q.dtype)
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None,
+                     slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Attention through PyTorch's fused kernel, a sequence at a time over its cache up to its last new slot. Its
+    reductions depend on the shapes, so a bit-exact model's decode forwards use `blocked_attention`; prefills and
+    models without the promise (a draft) use this.
+
+    q: [B, H, T, hd]; k_cache, v_cache: [batch, KVH, capacity, hd]; rows: [B] (None: the first B); slots: [B, T];
+    visible: [B, T, K] bool. Returns [B, H, T, hd].
+    """
+    out = []
+    for b in range(q.shape[0]):
+        row = b if rows is None else int(rows[b])
+        n = int(slots[b].max()) + 1
+        out.append(nn.functional.scaled_dot_product_attention(
+            q[b:b + 1], k_cache[row:row + 1, :, :n], v_cache[row:row + 1, :, :n], attn_mask=visible[b, :, :n],
+            enable_gqa=True))
+    return torch.cat(out)
 
 
 class Transformer(nn.Module):
@@ -431,9 +454,10 @@ class Transformer(nn.Module):
         if fused:
             step = StepInputs(torch.arange(B) if rows is None else rows, slots, cos, sin, mask, True)
         else:
-            blocks = mask.unsqueeze(1).split(ATTN_BLOCK, dim=-1)
+            exact = W is not None and T <= W  # a bit-exact decode forward; a prefill's shapes are the same in
+            # plain and speculative decoding, whatever its attention kernel
             step = StepInputs(rows, slots, cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype),
-                              list(blocks), False)
+                              list(mask.unsqueeze(1).split(ATTN_BLOCK, dim=-1)) if exact else mask, False)
         x = self.embed_tokens(tokens)
         for i, block in enumerate(self.blocks):
             if hidden is not None and i in hidden:

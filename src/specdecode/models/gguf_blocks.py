@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES
-from gguf.quants import Q4_K
+from gguf.quants import Q4_K, quantize
 from torch import nn
 
 
@@ -109,6 +109,13 @@ class QuantizedTensor:
         for r in range(0, self.shape[0], DEQUANTIZE_ROWS):
             out[r:r + DEQUANTIZE_ROWS] = self.rows_between(r, r + DEQUANTIZE_ROWS).codes().dequantize()
         return out
+
+    def requantized(self, qtype: T) -> QuantizedTensor:
+        """The same tensor re-quantized to `qtype` by gguf's own quantizer (from its float32 numbers),
+        DEQUANTIZE_ROWS rows at a time."""
+        parts = [quantize(self.rows_between(r, r + DEQUANTIZE_ROWS).codes().dequantize().numpy(), qtype)
+                 for r in range(0, self.shape[0], DEQUANTIZE_ROWS)]
+        return QuantizedTensor(torch.from_numpy(np.concatenate(parts)), qtype, self.shape)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows `ids` (any shape) -> [*ids.shape, K]: an embedding read from the blocks."""
