@@ -8,7 +8,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from specdecode.builder import native_kind
+from specdecode.builder import load_target, native_kind
+from specdecode.errors import InvalidRequestError
 from specdecode.kernels import gguf_int8
 from specdecode.kernels.gguf_q4 import GgufQ4Linear, narrowed
 from specdecode.models.gguf_blocks import QuantizedTensor
@@ -53,8 +54,11 @@ def test_the_layer_runs_the_narrowed_numbers() -> None:
     assert torch.allclose(layer(x), x @ want.T, rtol=0.05, atol=0.05 * float((x @ want.T).abs().max()))
 
 
-def test_it_is_never_a_targets_file_precision() -> None:
+def test_it_is_never_a_targets_precision() -> None:
+    assert not GgufQ4Linear.native_dtypes  # what `native_kind` (a target's --quant file) requires
     assert native_kind("float32") != "gguf-q4" and native_kind("bfloat16") != "gguf-q4"
+    with pytest.raises(InvalidRequestError, match="for drafts"):
+        load_target("qwen2.5-coder-1.5b-instruct", quant="gguf-q4")
 
 
 @needs_avx2

@@ -445,8 +445,21 @@ def test_the_draft_model_keeps_what_a_next_request_shares(tiny_pair, plain_outpu
     assert drafter.offset[0] == 21
     drafter.reset(0)  # is dropped at the next request: what came before it is not known
     fed.clear()
-    drafter.propose(list(range(1, 10)), 2, params, None)
-    assert drafter.offset[0] == 1 and fed[0] == list(range(2, 10))
+    other = [40] * 21 + list(range(22, 30))  # the same tokens in the window, others before it
+    drafter.propose(other, 2, params, None)
+    assert drafter.offset[0] == 21 and fed[0] == other[21:]
+    # a seeded sample with rejection coupling reads its context afresh, shared or not (its output depends on q)
+    drafter.propose(first, 2, params, None)
+    drafter.reset(0)
+    fed.clear()
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    drafter.propose(first[:5] + [7, 7, 3], 2, seeded, seeded.generator())
+    assert fed[0] == first[:5] + [7, 7, 3]
+    fed.clear()
+    drafter.propose(first[:5] + [7, 7, 3, 1], 2, seeded, seeded.generator())  # within its request: reused
+    assert fed[0] == [1]
+    drafter.forget()  # a new process: nothing cached
+    assert drafter.cached[0] == [] and drafter.offset[0] == 0
     # and greedy decoding with one drafter across requests is plain decoding's
     gen = SpeculativeGenerator(target.model, ModelDrafter(draft.model, 64, 256), target.tokenizer, GammaSchedule(3))
     for prompt, expected in list(zip(random_prompts(N_PROMPTS, 64), plain_outputs))[:10]:

@@ -72,6 +72,9 @@ def load_target(target: str, *, dtype: str = "auto", device: str = "cpu", bit_ex
     """dtype 'auto': chosen for this CPU (resolve_dtype). quant 'file': the model as its file defines it (a GGUF
     file's blocks as stored where a native kernel runs here, else dense in `dtype`); other kernels re-quantize,
     and so change the target's outputs: opt-in ('auto' picks the fastest for a verify step)."""
+    if quant == "gguf-q4":
+        raise InvalidRequestError("--quant gguf-q4 is for drafts (--draft-quant): it re-quantizes a file's blocks; "
+                                  "a target's --quant file runs them as stored")
     rows = VERIFY_WIDTH if bit_exact else 1  # a bit-exact step always has the verify width
     dtype = resolve_dtype(dtype, rows, device)
     quant = resolve_quant(quant, dtype, VERIFY_WIDTH, device, target)

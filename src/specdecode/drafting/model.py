@@ -41,13 +41,25 @@ class ModelDrafter(Drafter):
         self.cache = model.new_cache(batch, max_len + MAX_SHARED_FEED)
         self.cached: list[list[int]] = [[] for _ in range(batch)]  # per row: ids whose keys/values are cached
         self.offset = [0] * batch  # per row: the context's tokens before the draft's window
+        self.new = [True] * batch  # per row: no draft yet for its request
 
     def reset(self, row: int = 0) -> None:
         """A new request on the row: what it shares with the row's cached tokens from the start (a system prompt, an
-        earlier turn) is not fed again; a window that started later is dropped (what came before it is unknown)."""
+        earlier turn) is not fed again; a window that started later is dropped (what came before it is unknown).
+        Except for a seeded sample with rejection coupling: its output depends on the draft's numbers, which keys
+        computed for another request would change in their last bits; it reads its context afresh, so that a seed
+        gives the same tokens whatever ran before."""
+        self.new[row] = True
         if self.offset[row]:
-            self.cached[row] = []
-            self.offset[row] = 0
+            self._drop(row)
+
+    def forget(self) -> None:
+        for row in range(len(self.cached)):
+            self._drop(row)
+
+    def _drop(self, row: int) -> None:
+        self.cached[row] = []
+        self.offset[row] = 0
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         # a plain step (gamma 0) reads nothing: the row's next draft catches up on what it skipped, so a draft
@@ -79,6 +91,9 @@ class ModelDrafter(Drafter):
         context), a long feed (a new prompt) prefilled alone but for its last token: row -> tokens to feed."""
         feeds: dict[int, list[int]] = {}
         for r in requests:
+            if self.new[r.row] and r.params.draws_depend_on_draft_lengths:
+                self._drop(r.row)
+            self.new[r.row] = False
             feed = r.context[self._rollback_to_common_prefix(r.row, r.context):]
             if len(feed) > MAX_SHARED_FEED:
                 self._forward([r.row], [feed[:-1]], logits=False)
@@ -112,8 +127,9 @@ class ModelDrafter(Drafter):
     def _rollback_to_common_prefix(self, row: int, context: list[int]) -> int:
         """Drop cached ids after the first difference from the context's window; returns where in the context the
         tokens to feed start. A new context gets a new window, its last `window` tokens, unless what it shares
-        with the cached ones leaves fewer than `window` to feed (a next turn, or a prompt after one with the same
-        system prompt)."""
+        with the cached ones leaves at most `window` to feed (a next turn, or a prompt after one with the same
+        system prompt). So does a request whose draft was not asked for more than `window` tokens (plain steps):
+        reading its last `window` tokens costs less than catching up."""
         cached = self.cached[row]
         i = common_prefix(cached, context[self.offset[row]:-1])  # always re-feed at least the last token
         if i == 0 or len(context) - self.offset[row] - i > self.window:

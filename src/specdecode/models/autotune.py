@@ -110,9 +110,9 @@ def dtype_choice(rows: int) -> tuple[str, str]:
 def draft_quant_choice(dtype: torch.dtype, rows: int, native: str | None = None) -> tuple[str, str]:
     """(quant, why): the draft's kernels (`--draft-quant auto`). With AMX, int4-amx: as fast as any for one row and,
     on the tiles, for the prompt the draft must prefill too (w4a8 is faster for one row there, and many times slower
-    for a prompt). Elsewhere a GGUF draft's own blocks where `native` (its file's native kernel here) is given: faster
-    for the prompt than a re-quantized kernel and about as fast for one row (docs/kernels.md). Else the fastest
-    measured for `rows` rows."""
+    for a prompt). Elsewhere a GGUF draft's blocks where `native` (its file's native kernel here) is given: faster
+    for the prompt than a re-quantized kernel; on gguf-int8 those wider than 4 bits as Q4_0 (`gguf-q4`: fewer bytes
+    per drafted token, docs/kernels.md). Else the fastest measured for `rows` rows."""
     if cpu_class() == "amx" and kernel_available("int4-amx"):
         return "int4-amx", "AMX: int4 tiles, fast for one row and for the prompt"
     if native == "gguf-int8":

@@ -16,8 +16,9 @@ forward. Two ways, chosen per model:
   step and a (1 + gamma)-token verify step run the same kernels on the same shapes. The PyTorch
   attention walks the cache in fixed blocks of `ATTN_BLOCK` keys in a fixed order (online softmax), so
   a query's reductions do not depend on the cache length or on masked keys.
-Longer forwards (prefills) use the PyTorch ops, attention PyTorch's fused kernel; plain and speculative decoding
-prefill the same way, in one forward of the same shapes.
+Other forwards (prefills longer than the C++ ops take, every forward of a model without the promise where the C++ ops
+do not run) use the PyTorch ops, attention PyTorch's fused kernel; plain and speculative decoding prefill the same
+way, in one forward of the same shapes.
 """
 
 from __future__ import annotations

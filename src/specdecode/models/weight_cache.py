@@ -38,7 +38,7 @@ FORMAT = 1  # bump when what is stored changes: older entries are then not read
 # the code that decides the stored tensors: a change to dequantizing, quantizing or packing is a new entry
 _CODE = ("gguf_loader.py", "gguf_blocks.py", "block_linear.py", "hf_loader.py", "decoder.py", "linear.py",
          "../kernels/w4a8.py", "../kernels/int4_amx.py", "../kernels/int4_amx.cpp", "../kernels/torch_int.py",
-         "../kernels/gguf_int8.py", "../kernels/gguf_amx.py")
+         "../kernels/gguf_int8.py", "../kernels/gguf_q4.py", "../kernels/gguf_amx.py")
 
 
 def packed_dir() -> Path | None:
