@@ -148,6 +148,23 @@ def test_draft_lengths_are_chosen_each_step_unless_a_gamma_is_given(tiny_pair, p
     assert not hybrid.gamma.adaptive and hybrid.gamma.initial == 8  # its fixed lengths: 8 copied, 4 model tokens
 
 
+def test_hybrid_drafts_by_lookup_alone_after_a_prompt_longer_than_the_drafts_window(tiny_pair, plain_outputs):
+    target, draft = tiny_pair
+    hybrid = HybridDrafter(ModelDrafter(draft.model, 64, 256, window=8), model_gamma=3)
+    asked: list[int] = []
+    propose = hybrid.model.propose_batch
+    hybrid.model.propose_batch = lambda requests: asked.extend(len(r.context) for r in requests) or propose(requests)
+    gen = SpeculativeGenerator(target.model, hybrid, target.tokenizer, GammaSchedule(3))
+    short_asked = 0
+    for prompt, expected in list(zip(random_prompts(N_PROMPTS, 64), plain_outputs))[:20]:
+        asked.clear()
+        assert gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids == expected
+        if len(prompt) > 8:
+            assert not asked, f"a prompt of {len(prompt)} tokens asked the draft model"
+        short_asked += len(asked)
+    assert short_asked > 0  # shorter prompts did (beyond 8 tokens of context too)
+
+
 def test_greedy_output_is_plain_decodings_whatever_the_cost_model_chooses(tiny_pair, plain_outputs):
     target, draft = tiny_pair
     drafter = make_drafter("model", target, draft, chooses_lengths=True)
