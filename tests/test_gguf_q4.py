@@ -6,27 +6,23 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from specdecode.builder import load_target, native_kind
 from specdecode.errors import InvalidRequestError
 from specdecode.kernels import gguf_int8
 from specdecode.kernels.gguf_q4 import GgufQ4Linear, narrowed
-from specdecode.models.gguf_blocks import QuantizedTensor
+from specdecode.models.gguf_blocks import QuantizedTensor, random_tensor
 from specdecode.models.loading import load_model
-from tests.gguf_files import Q5_0_MIX, random_blocks, write_model
+from tests.gguf_files import Q5_0_MIX, write_model
+from tests.test_gguf_native import _gguf
 from tests.test_quant import assert_greedy_speculative_equals_plain
 
 needs_avx2 = pytest.mark.skipif(gguf_int8.extension() is None, reason="needs a CPU with AVX2 and g++")
 
 
-def _tensor(qtype: Q, rows: int = 32, cols: int = 256) -> QuantizedTensor:
-    raw = random_blocks(qtype, rows, cols, np.random.default_rng(3))
-    return QuantizedTensor(torch.from_numpy(raw), qtype, (rows, cols))
-
-
-def _numbers(t: QuantizedTensor) -> np.ndarray:
-    return dequantize(t.raw.numpy(), t.qtype).reshape(t.shape)
+def _tensor(qtype: Q) -> QuantizedTensor:
+    return random_tensor(qtype, 32, 256, seed=3)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.Q5_K])
@@ -34,8 +30,8 @@ def test_wider_blocks_become_ggufs_own_q4_0_of_their_numbers(qtype: Q) -> None:
     t = _tensor(qtype)
     q4 = narrowed(t)
     assert q4.qtype == Q.Q4_0 and q4.shape == t.shape
-    assert np.array_equal(q4.raw.numpy(), quantize(_numbers(t), Q.Q4_0))
-    assert np.abs(_numbers(q4) - _numbers(t)).max() <= np.abs(_numbers(t)).max() / 7  # half a step of 16 at most
+    assert np.array_equal(q4.raw.numpy(), quantize(_gguf(t).numpy(), Q.Q4_0))
+    assert (_gguf(q4) - _gguf(t)).abs().max() <= _gguf(t).abs().max() / 7  # half a step of 16 at most
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K])
@@ -48,7 +44,7 @@ def test_four_bit_blocks_stay_as_stored(qtype: Q) -> None:
 def test_the_layer_runs_the_narrowed_numbers() -> None:
     tensors = [_tensor(Q.Q5_0), _tensor(Q.Q4_K)]
     layer = GgufQ4Linear.from_blocks(tensors, None, torch.float32)
-    want = torch.cat([torch.from_numpy(_numbers(narrowed(t))) for t in tensors])
+    want = torch.cat([_gguf(narrowed(t)) for t in tensors])
     assert torch.equal(layer.dequantized(), want)
     x = torch.randn(3, 256)
     assert torch.allclose(layer(x), x @ want.T, rtol=0.05, atol=0.05 * float((x @ want.T).abs().max()))
