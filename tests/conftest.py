@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from specdecode.kernels import decode_ops, w4a8
+from specdecode.kernels import decode_ops, gguf_int8, w4a8
 from specdecode.kernels.build import cpu_extension
 from specdecode.models import autotune
 from specdecode.models.loading import LoadedModel, load_model
@@ -134,9 +134,11 @@ def emulated_avx512_build():
 
 
 def use_cpu_build(mp: pytest.MonkeyPatch, ext) -> None:
-    """Makes `w4a8.extension()` and `decode_ops.extension()` return `ext` (models must be loaded after this)."""
-    native = w4a8.extension
-    mp.setattr(w4a8, "extension", lambda isa_flags=(): native(isa_flags) if isa_flags else ext)
+    """Makes `w4a8.extension()`, `gguf_int8.extension()` and `decode_ops.extension()` return `ext` (models must be
+    loaded after this)."""
+    for module in (w4a8, gguf_int8):
+        native = module.extension
+        mp.setattr(module, "extension", lambda isa_flags=(), native=native: native(isa_flags) if isa_flags else ext)
     mp.setattr(decode_ops, "extension", lambda: ext)
 
 

@@ -232,7 +232,7 @@ def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(cpu_build, tm
     runs = []
     for one_call in (True, False):
         for block in model.blocks:
-            block.one_call = one_call
+            block.one_call = "w4a8" if one_call else ""
         cache, outs = model.new_cache(3, 256), []
         rows, start = torch.tensor([2, 0]), torch.tensor([0, 0])
         for T in (16, 1, 4, 9, 1, 16):

@@ -163,7 +163,7 @@ def test_int8_kernel_paths_give_the_same_bits(qtype: Q, path: str) -> None:
         flags = (*flags, "-I" + __import__("simde_py").get_include())
     if gguf_int8.extension(flags) is None:
         pytest.skip(f"the {path} build failed")
-    assert gguf_int8.extension(flags).simd_path() == {"emulated-avx512": "avx512-vnni"}.get(path, path)
+    assert gguf_int8.extension(flags).gguf_simd_path() == {"emulated-avx512": "avx512-vnni"}.get(path, path)
     t = _tensor(qtype, rows=24, cols=768, seed=4)
     part = GgufInt8Linear.from_blocks([t], None, torch.float32).part_list[0]
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(2))
@@ -297,3 +297,36 @@ def test_a_tied_embedding_stays_blocks_beside_a_requantized_head(tmp_path) -> No
 def test_gguf_on_a_safetensors_model_is_refused(tiny_pair) -> None:
     with pytest.raises(InvalidRequestError, match="not a GGUF file"):
         load_model(tiny_pair[0].source, quant="gguf", with_tokenizer=False)
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", ["gguf-int8", "gguf-q4"])
+def test_the_one_call_gguf_layer_gives_the_bits_of_the_per_op_path(cpu_build, tmp_path, monkeypatch, quant, dtype):
+    """kernels/layer.cpp runs a layer of GGUF blocks in one call (parts of two block types side by side, a qkv bias):
+    the same logits and cache writes as the layer's ops called one by one from Python, for batches in any cache rows
+    and steps of 1..16 tokens."""
+    from specdecode.kernels import decode_ops
+
+    path = write_model(tmp_path / "m.gguf", Q4_K_M if quant == "gguf-int8" else Q5_0_MIX)
+    model = load_model(path, dtype=dtype, quant=quant, head_quant=quant, decode_width=9, with_tokenizer=False).model
+    assert model.fused_ops and all(block.one_call == "gguf" for block in model.blocks)
+    assert any(len(block.qkv.part_list) > 1 for block in model.blocks) or quant == "gguf-q4"
+    one_layer = decode_ops.gguf_layer
+    calls = []
+    monkeypatch.setattr(decode_ops, "gguf_layer", lambda *args: calls.append(1) or one_layer(*args))
+    tokens = torch.randint(0, 64, (2, 47), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for one_call in ("gguf", ""):
+        for block in model.blocks:
+            block.one_call = one_call
+        cache, outs = model.new_cache(3, 256), []
+        rows, start = torch.tensor([2, 0]), torch.tensor([0, 0])
+        for T in (16, 1, 4, 9, 1, 16):
+            outs.append(model(tokens[:, int(start[0]):int(start[0]) + T], start, cache, rows=rows))
+            start = start + T
+        runs.append((outs, cache))
+    assert len(calls) == 6 * len(model.blocks)  # every step ran the one-call layers, then none did
+    (fast, fast_cache), (slow, slow_cache) = runs
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    assert torch.equal(fast_cache.k, slow_cache.k) and torch.equal(fast_cache.v, slow_cache.v)

@@ -4,8 +4,8 @@
 their code path with the compiler's feature macros. `-fopenmp` makes `at::parallel_for` (inlined from
 ATen's headers into the extension) actually run on torch's threads; without it, it runs on one.
 Where a build fails (no compiler, no ninja, an old assembler), the caller gets None and a warning: for the CPU
-library (w4a8 + decode ops + layer) that means both w4a8's slow pure-torch reference and the decoder's PyTorch ops
-with padding (still lossless, slower); int4-amx is its own extension.
+library (w4a8 + gguf-int8 + decode ops + layer) that means w4a8's slow pure-torch reference, a GGUF file's blocks
+dequantized and the decoder's PyTorch ops with padding (still lossless, slower); int4-amx is its own extension.
 The extensions link no OpenMP runtime of their own: they use the one torch's wheel loads.
 """
 
@@ -29,17 +29,17 @@ from specdecode.paths import cache_dir
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused multiply-adds: see the sources
 KERNELS = Path(__file__).parent
-# one library: layer.cpp calls into the other two (cpu_ops.h) and binds them all
-CPU_SOURCES = (KERNELS / "layer.cpp", KERNELS / "w4a8.cpp", KERNELS / "decode_ops.cpp")
+# one library: layer.cpp calls into the others (cpu_ops.h) and binds them all
+CPU_SOURCES = (KERNELS / "layer.cpp", KERNELS / "w4a8.cpp", KERNELS / "gguf_int8.cpp", KERNELS / "decode_ops.cpp")
 CPU_HEADERS = (KERNELS / "cpu_ops.h", KERNELS / "simd.h", KERNELS / "int8_act.h")
 
 
 @cache
 def cpu_extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
-    """Our CPU kernels (w4a8, the decode ops, the one-call w4a8 layer) as one extension, or None with a warning.
+    """Our CPU kernels (w4a8, gguf-int8, the decode ops, the one-call layers) as one extension, or None with a warning.
     isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 paths on an AVX-512 CPU (tests)."""
-    return build("cpu", CPU_SOURCES, isa_flags, CPU_HEADERS, "w4a8 then runs its slow pure-torch reference and the "
-                 "decoder PyTorch's ops, padded in bit-exact mode")
+    return build("cpu", CPU_SOURCES, isa_flags, CPU_HEADERS, "w4a8 then runs its slow pure-torch reference, a GGUF "
+                 "file's blocks are dequantized and the decoder runs PyTorch's ops, padded in bit-exact mode")
 
 
 def build(name: str, sources: Sequence[Path], isa_flags: tuple[str, ...] = (), headers: Sequence[Path] = (),

@@ -1,4 +1,5 @@
-// What the sources of our CPU extension (w4a8.cpp, decode_ops.cpp, layer.cpp; built together by kernels/build.py)
+// What the sources of our CPU extension (w4a8.cpp, gguf_int8.cpp, decode_ops.cpp, layer.cpp; built together by
+// kernels/build.py)
 // call across files.
 #pragma once
 
@@ -10,6 +11,11 @@ namespace specdecode {
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale, torch::Tensor d, torch::Tensor sub,
                       torch::Tensor corr, c10::optional<torch::Tensor> bias, c10::optional<at::ScalarType> dtype);
 void bind_w4a8(pybind11::module_& m);
+
+// gguf_int8.cpp: a GGUF tensor's blocks x int8 activations, [k, K] -> [k, N (whole tiles)] float32 (layout there)
+torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor dm, torch::Tensor sc,
+                           torch::Tensor m, int64_t bits, int64_t block, int64_t group, int64_t bias);
+void bind_gguf_int8(pybind11::module_& m);
 
 // decode_ops.cpp: the row-invariant rest of a layer
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);

@@ -66,3 +66,13 @@ def w4a8_layer(x: torch.Tensor, attn_norm: torch.Tensor, mlp_norm: torch.Tensor,
     the other arguments as `rms_norm` and `rope_attention` take them."""
     return _ops().w4a8_layer(x, attn_norm, mlp_norm, eps, qkv, qkv_bias, o, gate_up, down, cos, sin, k_cache,
                                   v_cache, rows, slots, mask, heads, kv_heads)
+
+
+def gguf_layer(x: torch.Tensor, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float, qkv: list,
+               qkv_bias: torch.Tensor | None, o: list, gate_up: list, down: list, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """The same layer, its four linears a GGUF file's blocks on gguf_int8's kernel (each its
+    `GgufInt8Linear.layer_parts`)."""
+    return _ops().gguf_layer(x, attn_norm, mlp_norm, eps, qkv, qkv_bias, o, gate_up, down, cos, sin, k_cache, v_cache,
+                             rows, slots, mask, heads, kv_heads)

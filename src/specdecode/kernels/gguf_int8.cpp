@@ -23,6 +23,7 @@
 // across k by construction. Built with -ffp-contract=off; the fused multiply-adds are explicit.
 // Bounds: |J| <= 256 * 255 * 127 * 128 < 2^31; a code * q pair sum (AVX2) is at most 2 * 128 * 127 (int16).
 
+#include "cpu_ops.h"
 #include "int8_act.h"
 
 #include <ATen/Parallel.h>
@@ -467,6 +468,8 @@ void quantize(const X* x, int64_t k, int64_t K, Activations& act) {
 
 }  // namespace
 
+namespace specdecode {
+
 // x: [k, K] float32 or bfloat16; w: [N / 16, K / 32 * 16 * register bytes] uint8; d, dm: [N / 16, K / block, 16]
 // int16 (float16 bits; dm empty without offsets); sc, m: [N / 16, K / group, 16] int8 (empty for the block-32 types)
 // -> [k, N] float32 (N: whole tiles, the padding rows of the last one included)
@@ -519,8 +522,9 @@ torch::Tensor gguf_int8_mm(torch::Tensor x, torch::Tensor w, torch::Tensor d, to
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("gguf_int8_mm", &gguf_int8_mm, "a GGUF tensor's blocks x int8 activations: [k, K] x [N, K]^T -> [k, rows]");
-  mod.def("available", [] { return true; }, "whether the kernel runs here (it does once built)");
-  mod.def("simd_path", [] { return std::string(kPath); }, "which instruction set the kernel was built for");
+void bind_gguf_int8(pybind11::module_& m) {
+  m.def("gguf_int8_mm", &gguf_int8_mm, "a GGUF tensor's blocks x int8 activations: [k, K] x [N, K]^T -> [k, rows]");
+  m.def("gguf_simd_path", [] { return std::string(kPath); }, "which instruction set gguf_int8_mm was built for");
 }
+
+}  // namespace specdecode

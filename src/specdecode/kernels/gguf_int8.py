@@ -7,14 +7,14 @@ computed the same way whatever the number of rows (row-invariant). `reference_mm
 
 from __future__ import annotations
 
-from functools import cache
-from typing import ClassVar
-from pathlib import Path
+from functools import cache, cached_property
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 
-from specdecode.kernels.build import build, build_for_cpu
+from specdecode.cpu import cpu_info
+from specdecode.kernels.build import cpu_extension
 from specdecode.kernels.w4a8 import reference_quantize_activations
 from specdecode.models.block_linear import BlockLinear
 from specdecode.models.gguf_blocks import BlockFormat, Codes
@@ -22,18 +22,15 @@ from specdecode.models.gguf_blocks import BlockFormat, Codes
 REGISTER = 32  # inputs per register of codes
 TILE = 16  # rows per tile
 SPAN = 256  # inputs per activation scale
-SOURCE = Path(__file__).with_name("gguf_int8.cpp")
-HEADERS = (Path(__file__).with_name("int8_act.h"), Path(__file__).with_name("simd.h"))
 NO_INT8, NO_INT16 = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.int16)  # a format's absent buffers
 
 
 @cache
 def extension(isa_flags: tuple[str, ...] = ()) -> ModuleType | None:
-    """The compiled kernel (this CPU's path), or None where it cannot be built here. isa_flags: extra compiler flags,
-    e.g. ("-mno-avx512f",) builds the AVX2 path on an AVX-512 CPU (tests)."""
-    return build_for_cpu({"avx2"} if not isa_flags else set(),
-                         lambda: build("gguf_int8", (SOURCE,), isa_flags, HEADERS,
-                                       "a GGUF file's blocks are then dequantized"))
+    """Our CPU library, which holds the kernel (this CPU's path), or None where it cannot be built here or the CPU
+    lacks AVX2. isa_flags: extra compiler flags, e.g. ("-mno-avx512f",) builds the AVX2 path on an AVX-512 CPU
+    (tests)."""
+    return cpu_extension(isa_flags) if isa_flags or "avx2" in cpu_info()[1] else None
 
 
 def register_bytes(bits: int) -> int:
@@ -166,3 +163,14 @@ class GgufInt8Linear(BlockLinear):
     @classmethod
     def available(cls) -> bool:
         return extension() is not None
+
+    @cached_property
+    def layer_parts(self) -> list[tuple]:
+        """Each part's buffers and format as the one-call layer takes them (kernels/layer.cpp's `Part`), for a
+        model on the CPU: built once."""
+        parts = []
+        for p in self.part_list:
+            b, f = p.buffers_by_name(), p.fmt
+            parts.append((b["w"], b["d"], b.get("dm", NO_INT16), b.get("sc", NO_INT8), b.get("m", NO_INT8), f.bits,
+                          f.block, f.group, f.bias, p.out_features))
+        return parts

@@ -1,11 +1,13 @@
-// A whole decoder layer in one call, for decode and verify steps of a model whose linears are all W4A8.
+// A whole decoder layer in one call, for decode and verify steps of a model whose linears are all W4A8, or all a
+// GGUF file's blocks on gguf_int8.cpp's kernel.
 //
-// Why: from Python a layer is nine kernel calls and two adds, about 40 us of interpreter and dispatch on our
-// 2-core CPUs; the 0.5B draft's 24 layers spent about 1 ms of its 15 ms step there. This is the same sequence
-// of the same ops as decoder.Block's fused path (the residual adds are torch's), so it gives the same bits and
-// stays row-invariant.
+// Why: from Python a layer is nine kernel calls, their dtype conversions and two adds: the interpreter and dispatch
+// between them cost a small model's decode step a sizeable share of its time on our 2-core CPUs (docs/kernels.md).
+// This is the same sequence of the same ops as decoder.Block's fused path (the residual adds and conversions are
+// torch's), so it gives the same bits and stays row-invariant.
 //
-// Also the extension's module: the bindings of w4a8.cpp and decode_ops.cpp, built with this file into one library.
+// Also the extension's module: the bindings of w4a8.cpp, gguf_int8.cpp and decode_ops.cpp, built with this file
+// into one library.
 
 #include "cpu_ops.h"
 
@@ -32,13 +34,49 @@ torch::Tensor w4a8_layer(const torch::Tensor& x, const torch::Tensor& attn_norm,
   return h + linear(silu_mul(linear(rms_norm(h, mlp_norm, eps), gate_up, c10::nullopt)), down, c10::nullopt);
 }
 
+// one GGUF linear: per run of equal block types (a part), its buffers w, d, dm, sc, m as gguf_int8_mm takes them,
+// then its bits, block, group, code bias and width (real outputs)
+using Part = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                        int64_t, int64_t, int64_t>;
+using Blocks = std::vector<Part>;
+
+// as block_linear.BlockLinear's forward: [..., K] -> the parts' outputs in x's dtype side by side, + bias
+torch::Tensor linear(const torch::Tensor& x, const Blocks& parts, const c10::optional<torch::Tensor>& bias) {
+  const torch::Tensor rows = x.reshape({-1, x.size(-1)});
+  std::vector<torch::Tensor> outs;
+  for (const Part& p : parts) {
+    const auto& [w, d, dm, sc, m, bits, block, group, code_bias, width] = p;
+    outs.push_back(gguf_int8_mm(rows, w, d, dm, sc, m, bits, block, group, code_bias).to(rows.scalar_type())
+                       .narrow(1, 0, width));
+  }
+  torch::Tensor y = (outs.size() == 1 ? outs[0] : torch::cat(outs, 1)).contiguous();
+  if (bias) y = y + *bias;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = y.size(1);
+  return y.reshape(shape);
+}
+
+// the same layer with GGUF linears; the arguments as w4a8_layer's
+torch::Tensor gguf_layer(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
+                         double eps, const Blocks& qkv, const c10::optional<torch::Tensor>& qkv_bias, const Blocks& o,
+                         const Blocks& gate_up, const Blocks& down, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& rows,
+                         const torch::Tensor& slots, const torch::Tensor& mask, int64_t H, int64_t KVH) {
+  const torch::Tensor attn = rope_attention(linear(rms_norm(x, attn_norm, eps), qkv, qkv_bias), cos, sin, k_cache,
+                                            v_cache, rows, slots, mask, H, KVH);
+  const torch::Tensor h = x + linear(attn, o, c10::nullopt);
+  return h + linear(silu_mul(linear(rms_norm(h, mlp_norm, eps), gate_up, c10::nullopt)), down, c10::nullopt);
+}
+
 }  // namespace
 }  // namespace specdecode
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   specdecode::bind_w4a8(m);
   specdecode::bind_decode_ops(m);
+  specdecode::bind_gguf_int8(m);
   m.def("w4a8_layer", &specdecode::w4a8_layer,
         "a decoder layer whose linears are W4A8: RMSNorm, qkv, rotary attention with the cache write, o, residual, "
         "RMSNorm, gate_up, SiLU * up, down, residual");
+  m.def("gguf_layer", &specdecode::gguf_layer, "the same layer, its linears a GGUF file's blocks (gguf_int8_mm)");
 }

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from specdecode.kernels import decode_ops
+from specdecode.kernels.gguf_int8 import GgufInt8Linear
 from specdecode.kernels.w4a8 import W4A8Linear, Weights
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_blocks import BlockEmbedding, QuantizedTensor, supported
@@ -136,10 +137,8 @@ class Block(nn.Module):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.attn_norm = nn.Parameter(attn_norm, requires_grad=False)
         self.mlp_norm = nn.Parameter(mlp_norm, requires_grad=False)
-        # every linear our W4A8 kernel (the o, gate_up and down of this family have no bias): the fused path is one
-        # call. Decided here, once: a layer whose linears are swapped later needs a new Block
-        self.one_call = all(type(lin) is W4A8Linear and lin.row_invariant and (lin is qkv or lin.bias is None)
-                            for lin in (qkv, o, gate_up, down))
+        # decided here, once: a layer whose linears are swapped later needs a new Block
+        self.one_call = one_call_kind(qkv, o, gate_up, down)
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache, step: StepInputs) -> torch.Tensor:
         # x: [B, T, D]
@@ -149,11 +148,17 @@ class Block(nn.Module):
         if step.fused:  # its rows and mask are tensors (see StepInputs)
             rows, mask = step.rows, step.mask
             assert rows is not None and isinstance(mask, torch.Tensor)
-            if self.one_call:  # the ops below and the linears in one C++ call (kernels/layer.cpp)
+            # the ops below and the linears in one C++ call (kernels/layer.cpp)
+            if self.one_call == "w4a8":
                 return decode_ops.w4a8_layer(x, self.attn_norm, self.mlp_norm, cfg.rms_norm_eps, _weights(self.qkv),
                                              self.qkv.bias, _weights(self.o), _weights(self.gate_up),
                                              _weights(self.down), step.cos, step.sin, cache.k[layer], cache.v[layer],
                                              rows, step.slots, mask, H, KVH)
+            if self.one_call == "gguf":
+                return decode_ops.gguf_layer(x, self.attn_norm, self.mlp_norm, cfg.rms_norm_eps,
+                                             _gguf_parts(self.qkv), self.qkv.bias, _gguf_parts(self.o),
+                                             _gguf_parts(self.gate_up), _gguf_parts(self.down), step.cos, step.sin,
+                                             cache.k[layer], cache.v[layer], rows, step.slots, mask, H, KVH)
             # the same layer in three row-invariant C++ ops (kernels/decode_ops.cpp)
             attn = decode_ops.rope_attention(self.qkv(decode_ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps)),
                                              step.cos, step.sin, cache.k[layer], cache.v[layer], rows,
@@ -180,9 +185,28 @@ class Block(nn.Module):
         return x + self.down(nn.functional.silu(gate) * up)
 
 
+def one_call_kind(qkv: Linear, o: Linear, gate_up: Linear, down: Linear) -> str:
+    """Which one-call layer of kernels/layer.cpp runs a layer of these linears: "w4a8" where all four are our W4A8
+    kernel, "gguf" where all four run a GGUF file's blocks on gguf_int8's kernel, "" otherwise (also where o, gate_up
+    or down has a bias, which the C++ layer would drop: this family has none)."""
+    linears = (qkv, o, gate_up, down)
+    if any(lin.bias is not None for lin in linears[1:]):
+        return ""
+    if all(type(lin) is W4A8Linear and lin.row_invariant for lin in linears):
+        return "w4a8"
+    if all(isinstance(lin, GgufInt8Linear) for lin in linears):
+        return "gguf"
+    return ""
+
+
 def _weights(lin: Linear) -> Weights:
     assert isinstance(lin, W4A8Linear)  # Block.one_call
     return lin.weights
+
+
+def _gguf_parts(lin: Linear) -> list[tuple]:
+    assert isinstance(lin, GgufInt8Linear)  # Block.one_call
+    return lin.layer_parts
 
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None,
