@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.draft_lengths import MAX_GAMMA, GammaSchedule
-from specdecode.drafting import drafter_spec
+from specdecode.drafting import DEFAULT_DRAFTER, drafter_spec
 from specdecode.drafting.base import Drafter, DraftingSetup
 from specdecode.engine import DEFAULT_MAX_CONTEXT, SpeculativeGenerator
 from specdecode.errors import InvalidRequestError, ModelLoadError
@@ -154,9 +154,10 @@ def check_drafting(drafter: str, gamma: int | None) -> None:
         raise InvalidRequestError(f"gamma must be in [1, {MAX_GAMMA}], got {gamma}")
 
 
-def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None, drafter: str = "model",
-                    gamma: int | None = None, dtype: str = "auto", device: str = "cpu", bit_exact: bool = True,
-                    max_context: int | None = None, quant: str = "file", draft_quant: str = "auto",
+def build_generator(target: str | LoadedModel, *, draft: str | LoadedModel | None = None,
+                    drafter: str = DEFAULT_DRAFTER, gamma: int | None = None, dtype: str = "auto",
+                    device: str = "cpu", bit_exact: bool = True, max_context: int | None = None,
+                    quant: str = "file", draft_quant: str = "auto",
                     draft_vocab: int | None = None, batch: int = 1) -> SpeculativeGenerator:
     """Load what is named (catalog name, HF folder, GGUF file) and wire target, drafter and draft lengths.
 

@@ -14,7 +14,7 @@ from specdecode.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from specdecode.draft_lengths import MAX_GAMMA
-    from specdecode.drafting import registry
+    from specdecode.drafting import DEFAULT_DRAFTER, registry
     from specdecode.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
     p.add_argument("--target", default=DEFAULT_TARGET,
@@ -23,11 +23,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "with no or several slashes, starting with . / ~ or ending in .gguf is a local path "
                         f"(default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None,
-                   help=f"draft model for --drafter model, named like --target (default {DEFAULT_DRAFT}); for "
+                   help=f"draft model for --drafter hybrid, model and model-tree, named like --target (default "
+                        f"{DEFAULT_DRAFT}); for "
                         "--drafter eagle3 or medusa the trained head's folder (default: where train-draft writes it)")
     drafters = registry()
-    p.add_argument("--drafter", choices=list(drafters), default="model",
-                   help="; ".join(f"{name}: {spec.help}" for name, spec in drafters.items()) + " (default model)")
+    p.add_argument("--drafter", choices=list(drafters), default=DEFAULT_DRAFTER,
+                   help="; ".join(f"{name}: {spec.help}" for name, spec in drafters.items())
+                   + f" (default {DEFAULT_DRAFTER})")
     choosing = " and ".join(name for name, spec in drafters.items() if spec.chooses_lengths)
     p.add_argument("--gamma", type=int, default=None, help=(
         f"a fixed number of draft tokens per step, 1..{MAX_GAMMA} (default: the {choosing} drafters choose each "
@@ -595,7 +597,7 @@ def torch_threads() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdecode.drafting import registry
+    from specdecode.drafting import DEFAULT_DRAFTER, registry
 
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -638,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "specdecode[peers]` and are skipped if missing.")
     b.add_argument("--target", default=DEFAULT_TARGET)
     b.add_argument("--draft", default=DEFAULT_DRAFT)
-    b.add_argument("--methods", nargs="+", default=["plain", "ngram", "model", "model:g4"], metavar="METHOD",
+    b.add_argument("--methods", nargs="+", default=["plain", DEFAULT_DRAFTER, "model", "ngram"], metavar="METHOD",
                    help=f"any of {', '.join(our_kinds() + PEERS)}, optionally :gG (ours), :float32 / :bfloat16 and the "
                         "target's kernels :none / :gguf / :int8 / :int4 / :w4a8 ...; eagle3 and medusa draft with "
                         "the heads train-draft wrote for the target")
@@ -713,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(with the key in $SPECDECODE_API_KEY if it needs one).")
     bs.add_argument("--target", default=DEFAULT_TARGET)
     bs.add_argument("--draft", default=DEFAULT_DRAFT)
-    bs.add_argument("--drafters", nargs="+", default=["none", "model"], choices=list(registry()),
+    bs.add_argument("--drafters", nargs="+", default=["none", DEFAULT_DRAFTER], choices=list(registry()),
                     help="eagle3 and medusa use the heads train-draft wrote for the target")
     bs.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     bs.add_argument("--max-batch", type=int, default=8)

@@ -9,6 +9,10 @@ import pkgutil
 from specdecode.drafting.base import DrafterSpec
 from specdecode.errors import InvalidRequestError
 
+# prompt lookup where the context repeats, the draft model otherwise: the fastest on Spec-Bench on the CPUs measured
+# (docs/benchmarks.md)
+DEFAULT_DRAFTER = "hybrid"
+
 
 @functools.cache
 def registry() -> dict[str, DrafterSpec]:

@@ -46,4 +46,4 @@ def build(setup: DraftingSetup) -> HybridDrafter:
 
 SPEC = DrafterSpec("hybrid", f"prompt lookup where the context repeats (up to gamma copied tokens), else the draft "
                    f"model (up to {MODEL_GAMMA}); lookup alone after a prompt longer than the draft's window", build,
-                   needs_draft_model=True, gamma=8)
+                   needs_draft_model=True, gamma=4)
