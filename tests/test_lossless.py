@@ -139,13 +139,14 @@ def test_draft_lengths_are_chosen_each_step_unless_a_gamma_is_given(tiny_pair, p
     assert gen.gamma.adaptive and gen.gamma.initial == 8  # lookups start long; the cost model shortens them
     for prompt, expected in zip(random_prompts(N_PROMPTS, 64)[:10], plain_outputs):
         assert gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids == expected
-    model = build_generator(target, draft=draft)
+    model = build_generator(target, draft=draft, drafter="model")
     assert model.gamma.adaptive and model.gamma.initial == 4 and model.drafter.min_confidence > 0
     for kind in ("model", "ngram", "hybrid"):
         fixed = build_generator(target, draft=draft, drafter=kind, gamma=3)
         assert not fixed.gamma.adaptive and fixed.gamma.initial == 3
-    hybrid = build_generator(target, draft=draft, drafter="hybrid")
-    assert not hybrid.gamma.adaptive and hybrid.gamma.initial == 8  # its fixed lengths: 8 copied, 4 model tokens
+    hybrid = build_generator(target, draft=draft)  # the default drafter
+    assert isinstance(hybrid.drafter, HybridDrafter)
+    assert not hybrid.gamma.adaptive and hybrid.gamma.initial == 4  # its fixed lengths: 4 copied, 4 model tokens
 
 
 def test_hybrid_drafts_by_lookup_alone_after_a_prompt_longer_than_the_drafts_window(tiny_pair, plain_outputs):
@@ -328,7 +329,7 @@ def test_a_seed_reproduces_a_sample_whatever_the_costs_measured_before(tiny_pair
     """Draft lengths chosen from timings vary between runs; a seeded sample must not: with rejection coupling its
     draws depend on the lengths, so it takes the grow/shrink rule instead."""
     target, draft = tiny_pair
-    gen = build_generator(target, draft=draft)
+    gen = build_generator(target, draft=draft, drafter="model")
     assert gen.gamma.adaptive
     runs = []
     for forward, accepted in (({1: 1.0, 2: 1.0}, 30), ({1: 1.0, 2: 3.0}, 1)):  # costs that pick 8 drafts, then 0

@@ -43,8 +43,8 @@ def resolve_dtype(dtype: str, rows: int, device: str = "cpu") -> str:
 def native_kind(dtype: str) -> str | None:
     """The kernel that runs a GGUF file's blocks as stored on this CPU with `dtype` activations (`Linear.native`),
     if one does: on AMX tiles (bfloat16), else with int8 activations (AVX2 and AVX-512 CPUs)."""
-    return next((kind for kind, cls in kernels().items()
-                 if cls.native and dtype in cls.native_dtypes and cls.available()), None)
+    ranked = sorted(kernels().items(), key=lambda item: item[0] != "gguf")  # AMX first, whatever imported first
+    return next((kind for kind, cls in ranked if cls.native and dtype in cls.native_dtypes and cls.available()), None)
 
 
 def resolve_quant(quant: str, dtype: str, rows: int, device: str = "cpu", source: str | None = None,
