@@ -223,16 +223,22 @@ def test_the_one_call_w4a8_layer_gives_the_bits_of_the_per_op_path(cpu_build, tm
             if name.endswith("bias"):  # transformers initializes them to zero
                 p.normal_(0, 0.5)
     save_tiny(tmp_path, hf, tiny_tokenizer())
-    one_layer = decode_ops.w4a8_layer
     model = load_model(tmp_path, dtype=dtype, quant="w4a8").model
-    assert model.fused_ops and all(block.one_call for block in model.blocks)
+    assert_one_call_layers_give_the_per_op_bits(model, "w4a8", monkeypatch)
+
+
+def assert_one_call_layers_give_the_per_op_bits(model, kind: str, monkeypatch) -> None:
+    """`model`'s one-call layers (kernels/layer.cpp's `kind`_layer), then its per-op path: the same logits and cache
+    writes for a batch in cache rows 2 and 0 and steps of 1..16 tokens, and every step ran the one-call layers."""
+    assert model.fused_ops and all(block.one_call == kind for block in model.blocks)
+    one_layer = getattr(decode_ops, f"{kind}_layer")
     calls = []
-    monkeypatch.setattr(decode_ops, "w4a8_layer", lambda *args: calls.append(1) or one_layer(*args))
+    monkeypatch.setattr(decode_ops, f"{kind}_layer", lambda *args: calls.append(1) or one_layer(*args))
     tokens = torch.randint(0, 64, (2, 47), generator=torch.Generator().manual_seed(2))
     runs = []
-    for one_call in (True, False):
+    for one_call in (kind, ""):
         for block in model.blocks:
-            block.one_call = "w4a8" if one_call else ""
+            block.one_call = one_call
         cache, outs = model.new_cache(3, 256), []
         rows, start = torch.tensor([2, 0]), torch.tensor([0, 0])
         for T in (16, 1, 4, 9, 1, 16):

@@ -19,6 +19,7 @@ from specdecode.models.gguf_blocks import FORMATS, BlockEmbedding, QuantizedTens
 from specdecode.models.linear import make_linear
 from specdecode.models.loading import load_model
 from tests.gguf_files import BLOCK_TYPES, Q4_K_M, Q5_0_MIX, random_blocks, write_model
+from tests.test_decode_ops import assert_one_call_layers_give_the_per_op_bits
 from tests.test_quant import assert_greedy_speculative_equals_plain
 
 needs_amx = pytest.mark.skipif(gguf_amx.extension() is None, reason="needs a CPU with AMX-BF16 and g++")
@@ -306,27 +307,7 @@ def test_the_one_call_gguf_layer_gives_the_bits_of_the_per_op_path(cpu_build, tm
     """kernels/layer.cpp runs a layer of GGUF blocks in one call (parts of two block types side by side, a qkv bias):
     the same logits and cache writes as the layer's ops called one by one from Python, for batches in any cache rows
     and steps of 1..16 tokens."""
-    from specdecode.kernels import decode_ops
-
     path = write_model(tmp_path / "m.gguf", Q4_K_M if quant == "gguf-int8" else Q5_0_MIX)
     model = load_model(path, dtype=dtype, quant=quant, head_quant=quant, decode_width=9, with_tokenizer=False).model
-    assert model.fused_ops and all(block.one_call == "gguf" for block in model.blocks)
     assert any(len(block.qkv.part_list) > 1 for block in model.blocks) or quant == "gguf-q4"
-    one_layer = decode_ops.gguf_layer
-    calls = []
-    monkeypatch.setattr(decode_ops, "gguf_layer", lambda *args: calls.append(1) or one_layer(*args))
-    tokens = torch.randint(0, 64, (2, 47), generator=torch.Generator().manual_seed(2))
-    runs = []
-    for one_call in ("gguf", ""):
-        for block in model.blocks:
-            block.one_call = one_call
-        cache, outs = model.new_cache(3, 256), []
-        rows, start = torch.tensor([2, 0]), torch.tensor([0, 0])
-        for T in (16, 1, 4, 9, 1, 16):
-            outs.append(model(tokens[:, int(start[0]):int(start[0]) + T], start, cache, rows=rows))
-            start = start + T
-        runs.append((outs, cache))
-    assert len(calls) == 6 * len(model.blocks)  # every step ran the one-call layers, then none did
-    (fast, fast_cache), (slow, slow_cache) = runs
-    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
-    assert torch.equal(fast_cache.k, slow_cache.k) and torch.equal(fast_cache.v, slow_cache.v)
+    assert_one_call_layers_give_the_per_op_bits(model, "gguf", monkeypatch)

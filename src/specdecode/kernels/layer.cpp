@@ -22,18 +22,6 @@ torch::Tensor linear(const torch::Tensor& x, const Int4& w, const c10::optional<
   return w4a8_mm(x, w[0], w[1], w[2], w[3], w[4], bias, x.scalar_type());
 }
 
-// x [B, T, D] -> the layer's output [B, T, D]; the cache arguments as rope_attention takes them
-torch::Tensor w4a8_layer(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
-                         double eps, const Int4& qkv, const c10::optional<torch::Tensor>& qkv_bias, const Int4& o,
-                         const Int4& gate_up, const Int4& down, const torch::Tensor& cos, const torch::Tensor& sin,
-                         torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& rows,
-                         const torch::Tensor& slots, const torch::Tensor& mask, int64_t H, int64_t KVH) {
-  const torch::Tensor attn = rope_attention(linear(rms_norm(x, attn_norm, eps), qkv, qkv_bias), cos, sin, k_cache,
-                                            v_cache, rows, slots, mask, H, KVH);
-  const torch::Tensor h = x + linear(attn, o, c10::nullopt);
-  return h + linear(silu_mul(linear(rms_norm(h, mlp_norm, eps), gate_up, c10::nullopt)), down, c10::nullopt);
-}
-
 // one GGUF linear: per run of equal block types (a part), its buffers w, d, dm, sc, m as gguf_int8_mm takes them,
 // then its bits, block, group, code bias and width (real outputs)
 using Part = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
@@ -56,12 +44,14 @@ torch::Tensor linear(const torch::Tensor& x, const Blocks& parts, const c10::opt
   return y.reshape(shape);
 }
 
-// the same layer with GGUF linears; the arguments as w4a8_layer's
-torch::Tensor gguf_layer(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
-                         double eps, const Blocks& qkv, const c10::optional<torch::Tensor>& qkv_bias, const Blocks& o,
-                         const Blocks& gate_up, const Blocks& down, const torch::Tensor& cos, const torch::Tensor& sin,
-                         torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& rows,
-                         const torch::Tensor& slots, const torch::Tensor& mask, int64_t H, int64_t KVH) {
+// x [B, T, D] -> the layer's output [B, T, D], its linears of one kind W (Int4 or Blocks); the cache arguments as
+// rope_attention takes them
+template <typename W>
+torch::Tensor layer(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm, double eps,
+                    const W& qkv, const c10::optional<torch::Tensor>& qkv_bias, const W& o, const W& gate_up,
+                    const W& down, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
+                    torch::Tensor v_cache, const torch::Tensor& rows, const torch::Tensor& slots,
+                    const torch::Tensor& mask, int64_t H, int64_t KVH) {
   const torch::Tensor attn = rope_attention(linear(rms_norm(x, attn_norm, eps), qkv, qkv_bias), cos, sin, k_cache,
                                             v_cache, rows, slots, mask, H, KVH);
   const torch::Tensor h = x + linear(attn, o, c10::nullopt);
@@ -75,8 +65,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   specdecode::bind_w4a8(m);
   specdecode::bind_decode_ops(m);
   specdecode::bind_gguf_int8(m);
-  m.def("w4a8_layer", &specdecode::w4a8_layer,
+  m.def("w4a8_layer", &specdecode::layer<specdecode::Int4>,
         "a decoder layer whose linears are W4A8: RMSNorm, qkv, rotary attention with the cache write, o, residual, "
         "RMSNorm, gate_up, SiLU * up, down, residual");
-  m.def("gguf_layer", &specdecode::gguf_layer, "the same layer, its linears a GGUF file's blocks (gguf_int8_mm)");
+  m.def("gguf_layer", &specdecode::layer<specdecode::Blocks>,
+        "the same layer, its linears a GGUF file's blocks (gguf_int8_mm)");
 }
