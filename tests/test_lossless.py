@@ -140,7 +140,7 @@ def test_draft_lengths_are_chosen_each_step_unless_a_gamma_is_given(tiny_pair, p
     for prompt, expected in zip(random_prompts(N_PROMPTS, 64)[:10], plain_outputs):
         assert gen.generate(prompt, max_new_tokens=NEW_TOKENS, eos_ids=[]).token_ids == expected
     model = build_generator(target, draft=draft, drafter="model")
-    assert model.gamma.adaptive and model.gamma.initial == 4 and model.drafter.min_confidence > 0
+    assert model.gamma.adaptive and model.gamma.initial == 4 and model.drafter.min_path > 0
     for kind in ("model", "ngram", "hybrid"):
         fixed = build_generator(target, draft=draft, drafter=kind, gamma=3)
         assert not fixed.gamma.adaptive and fixed.gamma.initial == 3

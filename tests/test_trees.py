@@ -368,9 +368,25 @@ def test_the_draft_models_tree_spends_its_budget_on_its_likeliest_paths():
             (unsure, [2, 3, 4], [-1, -1, 0])):  # siblings 0.5 and 0.4, then 2's child 4 (0.3) over 3's (0.28)
         drafter = ModelTreeDrafter.__new__(ModelTreeDrafter)
         model = _Scripted(table, V)
-        drafter.model, drafter.target_vocab, drafter.max_len, drafter.min_confidence = model, V, 100, 0.0
+        drafter.model, drafter.target_vocab, drafter.max_len, drafter.min_path = model, V, 100, 0.0
         drafter.cache = type("C", (), {"capacity": 200})()
         drafter.cached = [[0, 1]]
         d = drafter._tree(DraftRequest(0, [0, 1], 3, SamplingParams(), torch.Generator()),
                           model(torch.tensor([[1]]), None, None)[0, 0])
         assert (d.tokens, d.parents) == (expected_tokens, expected_parents)
+
+
+def test_the_draft_model_stops_once_it_doubts_its_chain():
+    from specdecode.drafting.model import MIN_PATH, ModelDrafter
+
+    V = 8
+    # greedy chain 2, 3, 4, 5, ...: each token's probability 0.9, 0.8, 0.6, 0.9, ...; the chain's 0.9, 0.72, 0.43
+    table = {1: [0, 0, .9, .1, 0, 0, 0, 0], 2: [0, 0, 0, .8, .2, 0, 0, 0], 3: [0, 0, 0, 0, .6, .4, 0, 0],
+             4: [0, 0, 0, 0, 0, .9, .1, 0], 5: [0, 0, 0, 0, 0, 0, .9, .1], 6: [0, 0, 0, 0, 0, 0, 0, 1.]}
+    assert 0.72 >= MIN_PATH > 0.9 * 0.8 * 0.6
+    for min_path, expected in ((MIN_PATH, [2, 3, 4]), (0.0, [2, 3, 4, 5, 6, 7])):  # 0: fixed lengths
+        drafter = ModelDrafter.__new__(ModelDrafter)
+        drafter.model, drafter.target_vocab, drafter.max_len, drafter.window = _Scripted(table, V), V, 100, 100
+        drafter.min_path, drafter.cache, drafter.cached, drafter.offset, drafter.new = min_path, None, [[]], [0], [True]
+        d = drafter.propose_batch([DraftRequest(0, [0, 1], 6, SamplingParams(), torch.Generator())])[0]
+        assert d.tokens == expected  # the token that takes the chain below MIN_PATH is drafted, then it stops

@@ -14,9 +14,9 @@ MODEL_GAMMA = 4  # at most this many draft model tokens per step
 
 class HybridDrafter(Drafter):
     """Each step: a lookup hit of at least `min_ngram` tokens proposes up to gamma copied tokens; otherwise
-    the draft model proposes up to `model_gamma`, unless the request's prompt is longer than the draft model's window
-    (the draft would read only its end, prompt lookup reads all of it: lookup alone then). The choice depends only
-    on the context, so it is lossless."""
+    the draft model proposes up to `model_gamma` (fewer once it doubts its chain), unless the request's prompt is
+    longer than the draft model's window (the draft would read only its end, prompt lookup reads all of it: lookup
+    alone then). The choice depends only on the context, so it is lossless."""
 
     def __init__(self, model: ModelDrafter, model_gamma: int, min_ngram: int = 2) -> None:
         self.lookup = NgramDrafter(max_ngram=3, min_ngram=min_ngram)
@@ -41,7 +41,7 @@ class HybridDrafter(Drafter):
 
 
 def build(setup: DraftingSetup) -> HybridDrafter:
-    return HybridDrafter(model.build(setup, min_confidence=model.MIN_CONFIDENCE), min(setup.gamma, MODEL_GAMMA))
+    return HybridDrafter(model.build(setup, min_path=model.MIN_PATH), min(setup.gamma, MODEL_GAMMA))
 
 
 SPEC = DrafterSpec("hybrid", f"prompt lookup where the context repeats (up to gamma copied tokens), else the draft "

@@ -11,7 +11,9 @@ from specdecode.models.decoder import Transformer
 
 
 MAX_SHARED_FEED = 16  # longer feeds (a new prompt) are prefilled row by row, not padded into the shared forward
-MIN_CONFIDENCE = 0.3  # with chosen lengths, drafting stops after a token the draft gives less than this
+# with chosen lengths, drafting stops once the draft gives the chain drafted so far (the product of its tokens'
+# probabilities) less than this: its tokens' probabilities are about how often the target keeps them
+MIN_PATH = 0.5
 # the draft reads at most this many of a new context's last tokens, then every token after them: its prefill of a
 # long prompt would otherwise cost more than its drafting saves (docs/draft-lengths.md)
 WINDOW = 256
@@ -33,10 +35,10 @@ class ModelDrafter(Drafter):
     """Drafts autoregressively, one cache row per sequence; a batch of sequences drafts in shared forwards
     (one [rows, 1] forward per draft position), so drafting for 8 sequences costs about as much as for one."""
 
-    def __init__(self, model: Transformer, target_vocab: int, max_len: int, min_confidence: float = 0.0,
+    def __init__(self, model: Transformer, target_vocab: int, max_len: int, min_path: float = 0.0,
                  batch: int = 1, window: int = WINDOW) -> None:
         self.model, self.target_vocab, self.max_len, self.window = model, target_vocab, max_len, window
-        self.min_confidence = min_confidence  # stop drafting after a token the draft itself doubts
+        self.min_path = min_path  # stop drafting once the draft doubts the chain it drafted
         # reused across requests (stale slots are never visible); slack for the padding of a shared catch-up forward
         self.cache = model.new_cache(batch, max_len + MAX_SHARED_FEED)
         self.cached: list[list[int]] = [[] for _ in range(batch)]  # per row: ids whose keys/values are cached
@@ -68,6 +70,7 @@ class ModelDrafter(Drafter):
         feeds = self._catch_up(drafting)
         tokens: dict[int, list[int]] = {r.row: [] for r in requests}
         qs: dict[int, list[torch.Tensor]] = {r.row: [] for r in requests}
+        path = dict.fromkeys(tokens, 1.0)  # the draft's probability of each row's chain
         live = drafting
         while live := [r for r in live if len(self.cached[r.row]) + len(feeds[r.row]) < self.max_len]:
             logits = self._forward([r.row for r in live], [feeds[r.row] for r in live])  # [B', V_target]
@@ -75,12 +78,13 @@ class ModelDrafter(Drafter):
             still = []
             for r, row_logits in zip(live, logits):
                 position = len(r.context) + len(tokens[r.row])
-                tok, q, confidence = choose(row_logits, r, position, bool(self.min_confidence))
+                tok, q, confidence = choose(row_logits, r, position, bool(self.min_path))
                 tokens[r.row].append(tok)
                 if q is not None:
                     qs[r.row].append(q)
                 feeds[r.row] = [tok]
-                if len(tokens[r.row]) < r.gamma and confidence >= self.min_confidence:
+                path[r.row] *= confidence
+                if len(tokens[r.row]) < r.gamma and path[r.row] >= self.min_path:
                     still.append(r)
             live = still
         return [Draft(tokens[r.row], torch.stack(qs[r.row]) if qs[r.row] else None)  # None: greedy or Gumbel
@@ -140,16 +144,16 @@ class ModelDrafter(Drafter):
         return self.offset[row] + i
 
 
-def build(setup: DraftingSetup, min_confidence: float | None = None, kind: type[ModelDrafter] = ModelDrafter
+def build(setup: DraftingSetup, min_path: float | None = None, kind: type[ModelDrafter] = ModelDrafter
           ) -> ModelDrafter:
     """The draft model of `setup`, checked against the target's tokenizer (kind: this drafter or one built on it)."""
     if setup.draft is None:
         raise InvalidRequestError("this drafter needs a draft model (--draft)")
     check_same_tokenizer(setup.target.tokenizer, setup.draft.tokenizer)
-    if min_confidence is None:
-        min_confidence = MIN_CONFIDENCE if setup.chooses_lengths else 0.0
+    if min_path is None:
+        min_path = MIN_PATH if setup.chooses_lengths else 0.0
     return kind(setup.draft.model, setup.target.model.config.vocab_size, setup.max_context,
-                min_confidence=min_confidence, batch=setup.batch)
+                min_path=min_path, batch=setup.batch)
 
 
 SPEC = DrafterSpec("model", "a smaller model with the same tokenizer drafts autoregressively", build,

@@ -56,7 +56,7 @@ class ModelTreeDrafter(ModelDrafter):
                         seen.append((logp + math.log(float(probs[x])), x, at, depth + 1))
             new.sort(key=lambda i: -seen[i][0])
             expand = [i for i in new[:BEAM] if seen[i][3] < budget
-                      and not (self.min_confidence and seen[i][0] < math.log(MIN_PATH_PROBABILITY))]
+                      and not (self.min_path and seen[i][0] < math.log(MIN_PATH_PROBABILITY))]
             if not expand:
                 break
             fed += expand
@@ -73,7 +73,7 @@ class ModelTreeDrafter(ModelDrafter):
         for i in sorted(range(len(seen)), key=lambda i: (-seen[i][0], seen[i][3])):
             if len(tokens) >= budget:
                 break
-            likely = not self.min_confidence or seen[i][0] >= math.log(MIN_PATH_PROBABILITY)
+            likely = not self.min_path or seen[i][0] >= math.log(MIN_PATH_PROBABILITY)
             if seen[i][2] in index and (likely or not tokens):  # with chosen lengths, unlikely paths are left
                 index[i] = len(tokens)
                 tokens.append(seen[i][1])
