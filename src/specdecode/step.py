@@ -82,7 +82,8 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
 
 
 def _draft(drafter: Drafter, batch: list[SequenceState]) -> list[Draft]:
-    return drafter.propose_batch([DraftRequest(seq.row, seq.ids, seq.draft_len(), seq.params, seq.generator)
+    return drafter.propose_batch([DraftRequest(seq.row, seq.ids, seq.draft_len(), seq.params, seq.generator,
+                                               seq.lengths.costs if seq.lengths.by_costs else None)
                                   for seq in batch])
 
 

@@ -2,7 +2,9 @@
 expands the BEAM likeliest new nodes (likelihood = the draft's path probability), each into its TOP_K likeliest
 children, one draft forward per level over the nodes expanded so far (their ancestor mask); then it drafts the
 `budget` likeliest nodes of all it saw, a node only with its parent. A confident draft so drafts a chain, an
-unsure one siblings, within the same node budget.
+unsure one siblings, within the same node budget. With chosen lengths the cost model then keeps as many of them as
+repay their verify rows on this CPU (`CostModel.tree_size`: the draft's path probabilities are about how often the
+target keeps each node).
 
 Every node is a point mass for verification (the target keeps a node with its own probability of it; a
 deterministic choice of candidates, as the draft's top-k, is exact that way): greedy ranks by the draft's
@@ -13,6 +15,7 @@ sampling by the draft's processed distribution.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -28,6 +31,7 @@ MIN_PATH_PROBABILITY = 0.05  # with chosen lengths, paths the draft finds less l
 
 class ModelTreeDrafter(ModelDrafter):
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        started = time.perf_counter()
         drafting = [r for r in requests if r.gamma > 0 and len(r.context) < self.max_len]
         feeds = self._catch_up(drafting)
         out: dict[int, Draft] = {}
@@ -35,10 +39,10 @@ class ModelTreeDrafter(ModelDrafter):
             roots = self._forward([r.row for r in drafting], [feeds[r.row] for r in drafting])  # [B', V_target]
             assert roots is not None  # asked for
             for r, logits in zip(drafting, roots):
-                out[r.row] = self._tree(r, logits)
+                out[r.row] = self._tree(r, logits, started)
         return [out.get(r.row, Draft([], None)) for r in requests]
 
-    def _tree(self, r: DraftRequest, root_logits: torch.Tensor) -> Draft:
+    def _tree(self, r: DraftRequest, root_logits: torch.Tensor, started: float) -> Draft:
         start = len(self.cached[r.row])  # the context is cached: expanded nodes go to the slots after it
         budget = min(r.gamma, self.cache.capacity - start)
         # every node seen: (log path probability, token, parent's index in `seen` or -1, depth)
@@ -70,6 +74,7 @@ class ModelTreeDrafter(ModelDrafter):
         index: dict[int, int] = {-1: -1}
         tokens: list[int] = []
         parents: list[int] = []
+        likelihoods: list[float] = []
         for i in sorted(range(len(seen)), key=lambda i: (-seen[i][0], seen[i][3])):
             if len(tokens) >= budget:
                 break
@@ -78,6 +83,10 @@ class ModelTreeDrafter(ModelDrafter):
                 index[i] = len(tokens)
                 tokens.append(seen[i][1])
                 parents.append(index[seen[i][2]])
+                likelihoods.append(math.exp(seen[i][0]))
+        if r.costs is not None:  # as many as repay their verify rows on this CPU (a prefix: parents come first)
+            n = r.costs.tree_size(likelihoods, time.perf_counter() - started)
+            tokens, parents = tokens[:n], parents[:n]
         return Draft(tokens, None, parents)
 
     @staticmethod
