@@ -76,18 +76,6 @@ def test_the_cost_model_waits_for_two_widths_and_a_draft():
     assert costs.timings.forward_seconds(7) == pytest.approx(0.15)
 
 
-def test_the_cost_model_sizes_a_tree_by_the_verify_curve():
-    costs = CostModel()
-    likely = [0.9, 0.5, 0.3, 0.1, 0.05]
-    assert costs.tree_size(likely, 0.01) == 5  # no widths timed yet: every node
-    costs.timings.forward = {1: 0.020, 2: 0.0201}  # verify rows nearly free: every node repays its row
-    assert costs.tree_size(likely, 0.01) == 5
-    costs.timings.forward = {1: 0.020, 2: 0.030}  # each row half a step: (1 + 0.9 + 0.5) / (0.01 + 0.04) is the best
-    assert costs.tree_size(likely, 0.01) == 2
-    assert costs.tree_size([0.01, 0.01], 0.01) == 0  # nothing likely enough: a plain step
-    assert costs.tree_size([], 0.01) == 0
-
-
 def test_the_cost_model_trusts_the_acceptance_after_a_warm_up():
     costs = CostModel()
     for width, accepted in ((5, 1), (3, 0), (2, 0)):  # two timed widths, a steady draft, 3 of 7 accepted

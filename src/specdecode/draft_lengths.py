@@ -112,24 +112,6 @@ class CostModel:
         self.probing = 0
         return best
 
-    def tree_size(self, likelihoods: list[float], draft_s: float) -> int:
-        """How many of a drafted tree's nodes to verify: `likelihoods` are each node's chance of being kept (the
-        draft's probability of its path), in the order the drafter would add them (each after its parent, likeliest
-        first), `draft_s` the seconds drafting them took. The n that maximises the step's expected tokens per
-        second, (1 + the first n likelihoods' sum) / (draft_s + the forward of 1 + n rows): where verify rows are
-        nearly free that is every node, where each row costs only the nodes likely enough to repay it (0: a plain
-        step). Every node until two forward widths have been timed."""
-        t = self.timings
-        if len(t.forward) < 2:
-            return len(likelihoods)
-        best, best_rate, expected = 0, 1 / (draft_s + t.forward_seconds(1)), 1.0
-        for n, p in enumerate(likelihoods, 1):
-            expected += p
-            rate = expected / (draft_s + t.forward_seconds(1 + n))
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best
-
 
 @dataclass(frozen=True)
 class GammaSchedule:

@@ -82,8 +82,7 @@ def decode_step(target: Transformer, cache, drafter: Drafter, batch: list[Sequen
 
 
 def _draft(drafter: Drafter, batch: list[SequenceState]) -> list[Draft]:
-    return drafter.propose_batch([DraftRequest(seq.row, seq.ids, seq.draft_len(), seq.params, seq.generator,
-                                               seq.lengths.costs if seq.lengths.by_costs else None)
+    return drafter.propose_batch([DraftRequest(seq.row, seq.ids, seq.draft_len(), seq.params, seq.generator)
                                   for seq in batch])
 
 

@@ -12,7 +12,6 @@ from specdecode.verification.gumbel import gumbel_noise, noisy_scores
 from specdecode.verification.sampling import SamplingParams, processed_probs, sample
 
 if TYPE_CHECKING:
-    from specdecode.draft_lengths import CostModel
     from specdecode.heads.format import Head
     from specdecode.models.loading import LoadedModel
 
@@ -68,10 +67,9 @@ class DraftRequest:
 
     row: int  # the sequence's row in the batch (the server's slot; 0 for a lone sequence): per-row state lives here
     context: list[int]  # every committed token
-    gamma: int  # tokens (a tree's nodes) to draft at most
+    gamma: int
     params: SamplingParams
     generator: torch.Generator
-    costs: CostModel | None = None  # sizes a tree by this CPU's verify costs; None: gamma alone (fixed lengths)
 
 
 class Drafter:

@@ -2,9 +2,7 @@
 expands the BEAM likeliest new nodes (likelihood = the draft's path probability), each into its TOP_K likeliest
 children, one draft forward per level over the nodes expanded so far (their ancestor mask); then it drafts the
 `budget` likeliest nodes of all it saw, a node only with its parent. A confident draft so drafts a chain, an
-unsure one siblings, within the same node budget. With chosen lengths the cost model then keeps as many of them as
-repay their verify rows on this CPU (`CostModel.tree_size`: the draft's path probabilities are about how often the
-target keeps each node).
+unsure one siblings, within the same node budget.
 
 Every node is a point mass for verification (the target keeps a node with its own probability of it; a
 deterministic choice of candidates, as the draft's top-k, is exact that way): greedy ranks by the draft's
@@ -15,7 +13,6 @@ sampling by the draft's processed distribution.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -26,12 +23,13 @@ from specdecode.verification.sampling import processed_probs
 
 TOP_K = 4  # children considered per expanded node
 BEAM = 2  # nodes expanded per level
-MIN_PATH_PROBABILITY = 0.05  # with chosen lengths, paths the draft finds less likely than this are not drafted
+# with chosen lengths, paths the draft finds less likely than this are not drafted (a chain stops at model.MIN_PATH; a
+# tree's siblings are for the less likely paths a chain would not reach)
+MIN_PATH_PROBABILITY = 0.05
 
 
 class ModelTreeDrafter(ModelDrafter):
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
-        started = time.perf_counter()
         drafting = [r for r in requests if r.gamma > 0 and len(r.context) < self.max_len]
         feeds = self._catch_up(drafting)
         out: dict[int, Draft] = {}
@@ -39,12 +37,13 @@ class ModelTreeDrafter(ModelDrafter):
             roots = self._forward([r.row for r in drafting], [feeds[r.row] for r in drafting])  # [B', V_target]
             assert roots is not None  # asked for
             for r, logits in zip(drafting, roots):
-                out[r.row] = self._tree(r, logits, started)
+                out[r.row] = self._tree(r, logits)
         return [out.get(r.row, Draft([], None)) for r in requests]
 
-    def _tree(self, r: DraftRequest, root_logits: torch.Tensor, started: float) -> Draft:
+    def _tree(self, r: DraftRequest, root_logits: torch.Tensor) -> Draft:
         start = len(self.cached[r.row])  # the context is cached: expanded nodes go to the slots after it
         budget = min(r.gamma, self.cache.capacity - start)
+        floor = math.log(MIN_PATH_PROBABILITY) if self.min_path else -math.inf  # min_path set: lengths are chosen
         # every node seen: (log path probability, token, parent's index in `seen` or -1, depth)
         seen: list[tuple[float, int, int, int]] = []
         fed: list[int] = []  # indices in `seen` of the nodes fed to the draft model, in feeding order
@@ -60,7 +59,7 @@ class ModelTreeDrafter(ModelDrafter):
                         seen.append((logp + math.log(float(probs[x])), x, at, depth + 1))
             new.sort(key=lambda i: -seen[i][0])
             expand = [i for i in new[:BEAM] if seen[i][3] < budget
-                      and not (self.min_path and seen[i][0] < math.log(MIN_PATH_PROBABILITY))]
+                      and seen[i][0] >= floor]
             if not expand:
                 break
             fed += expand
@@ -74,19 +73,14 @@ class ModelTreeDrafter(ModelDrafter):
         index: dict[int, int] = {-1: -1}
         tokens: list[int] = []
         parents: list[int] = []
-        likelihoods: list[float] = []
         for i in sorted(range(len(seen)), key=lambda i: (-seen[i][0], seen[i][3])):
             if len(tokens) >= budget:
                 break
-            likely = not self.min_path or seen[i][0] >= math.log(MIN_PATH_PROBABILITY)
+            likely = seen[i][0] >= floor
             if seen[i][2] in index and (likely or not tokens):  # with chosen lengths, unlikely paths are left
                 index[i] = len(tokens)
                 tokens.append(seen[i][1])
                 parents.append(index[seen[i][2]])
-                likelihoods.append(math.exp(seen[i][0]))
-        if r.costs is not None:  # as many as repay their verify rows on this CPU (a prefix: parents come first)
-            n = r.costs.tree_size(likelihoods, time.perf_counter() - started)
-            tokens, parents = tokens[:n], parents[:n]
         return Draft(tokens, None, parents)
 
     @staticmethod
