@@ -133,15 +133,20 @@ def reference_mm(x: torch.Tensor, fmt: BlockFormat, buffers: dict[str, torch.Ten
     return acc
 
 
+def kernel_args(fmt: BlockFormat, buffers: dict[str, torch.Tensor]) -> tuple:
+    """A packed tensor as the C++ kernel takes it, after x: w, d, dm, sc, m (empty where the format has none), then
+    its bits, block, group and code bias."""
+    return (buffers["w"], buffers["d"], buffers.get("dm", NO_INT16), buffers.get("sc", NO_INT8),
+            buffers.get("m", NO_INT8), fmt.bits, fmt.block, fmt.group, fmt.bias)
+
+
 def gguf_int8_mm(x: torch.Tensor, fmt: BlockFormat, buffers: dict[str, torch.Tensor],
                  out_dtype: torch.dtype = torch.float32, isa_flags: tuple[str, ...] = ()) -> torch.Tensor:
     """x [k, K] float32 or bfloat16 times a packed tensor -> [k, N (whole tiles)] in out_dtype."""
     ext = extension(isa_flags)
     if ext is None:
         raise RuntimeError("--quant gguf-int8 needs an AVX2 CPU and a C++ compiler here")
-    y = ext.gguf_int8_mm(x, buffers["w"], buffers["d"], buffers.get("dm", NO_INT16), buffers.get("sc", NO_INT8),
-                         buffers.get("m", NO_INT8), fmt.bits, fmt.block, fmt.group, fmt.bias)
-    return y.to(out_dtype)
+    return ext.gguf_int8_mm(x, *kernel_args(fmt, buffers)).to(out_dtype)
 
 
 class GgufInt8Linear(BlockLinear):
@@ -166,11 +171,6 @@ class GgufInt8Linear(BlockLinear):
 
     @cached_property
     def layer_parts(self) -> list[tuple]:
-        """Each part's buffers and format as the one-call layer takes them (kernels/layer.cpp's `Part`), for a
-        model on the CPU: built once."""
-        parts = []
-        for p in self.part_list:
-            b, f = p.buffers_by_name(), p.fmt
-            parts.append((b["w"], b["d"], b.get("dm", NO_INT16), b.get("sc", NO_INT8), b.get("m", NO_INT8), f.bits,
-                          f.block, f.group, f.bias, p.out_features))
-        return parts
+        """Each part as the one-call layer takes it (kernels/layer.cpp's `Part`): the kernel's arguments and its width,
+        for a model on the CPU: built once."""
+        return [(*kernel_args(p.fmt, p.buffers_by_name()), p.out_features) for p in self.part_list]
